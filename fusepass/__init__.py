@@ -1,0 +1,7 @@
+"""fusepass: a torch.compile backend that fuses Linear -> scale -> BatchNorm1d chains.
+
+Use it by name, without importing this package: ``torch.compile(model, backend="fusepass")``
+(registered through the ``torch_dynamo_backends`` entry point).
+"""
+
+from fusepass import lowering  # noqa: F401  (registers torch.ops.fusepass.*)

@@ -1,0 +1,115 @@
+"""What fusepass did to a model: the match report, `explain()`, and the debug dump."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tabulate import tabulate
+from torch.fx import GraphModule, Node
+
+from fusepass.pattern import Match, Miss, meta_value
+
+_dump_counter = itertools.count()
+
+
+def _value_summary(node: Any) -> str:
+    value = meta_value(node)
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    return repr(node) if not isinstance(node, Node) else node.name
+
+
+def describe_match(match: Match, graph_index: int) -> dict[str, Any]:
+    linear, bn = match.get("linear"), match.get("batch_norm")
+    first, last = match.nodes[0], match.anchor
+    return {
+        "graph": graph_index,
+        "pattern": match.pattern,
+        "nodes": [n.name for n in match.nodes],
+        "shapes": {"x": _shape(linear.x), "weight": _shape(linear.weight), "out": _shape(last)},
+        "dtypes": {"x": _dtype(linear.x), "linear": _dtype(first), "out": _dtype(last)},
+        "training": bn.training,
+    }
+
+
+def describe_miss(miss: Miss, graph_index: int) -> dict[str, Any]:
+    return {
+        "graph": graph_index,
+        "anchor": miss.anchor.name,
+        "nodes": [n.name for n in miss.nodes],
+        "reason": miss.reason,
+    }
+
+
+def _shape(node: Any):
+    value = meta_value(node)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _dtype(node: Any):
+    value = meta_value(node)
+    return str(value.dtype).replace("torch.", "") if isinstance(value, torch.Tensor) else None
+
+
+@dataclass
+class Report:
+    """The rewrites fusepass made (`matches`) and the near-matches it left alone (`misses`)."""
+
+    matches: list[dict[str, Any]] = field(default_factory=list)
+    misses: list[dict[str, Any]] = field(default_factory=list)
+    graphs: int = 0
+
+    def add_graph(self, matches: list[Match], misses: list[Miss]) -> None:
+        self.matches += [describe_match(m, self.graphs) for m in matches]
+        self.misses += [describe_miss(m, self.graphs) for m in misses]
+        self.graphs += 1
+
+    def __str__(self) -> str:
+        lines = [f"fusepass: {len(self.matches)} rewrite(s), {len(self.misses)} miss(es) "
+                 f"in {self.graphs} graph(s)"]
+        if self.matches:
+            rows = [[m["graph"], m["pattern"], " -> ".join(m["nodes"]),
+                     f"{m['shapes']['x']} @ {m['shapes']['weight']} -> {m['shapes']['out']}",
+                     f"{m['dtypes']['x']} / {m['dtypes']['linear']} / {m['dtypes']['out']}",
+                     "train" if m["training"] else "eval"] for m in self.matches]
+            lines += ["", "Matches:", tabulate(rows, headers=["graph", "pattern", "nodes", "x @ W -> out",
+                                                              "dtypes x/linear/out", "mode"])]
+        if self.misses:
+            rows = [[m["graph"], m["anchor"], m["reason"]] for m in self.misses]
+            lines += ["", "Misses:", tabulate(rows, headers=["graph", "node", "reason"], maxcolwidths=[None, None, 80])]
+        return "\n".join(lines)
+
+
+def write_debug_dump(debug_dir: str, before: GraphModule, after: GraphModule, report: Report) -> str:
+    """Writes graph_<k>_before.py, graph_<k>_after.py and graph_<k>_report.txt; returns the common prefix."""
+    os.makedirs(debug_dir, exist_ok=True)
+    prefix = os.path.join(debug_dir, f"graph_{os.getpid()}_{next(_dump_counter)}")
+    for suffix, gm in (("before", before), ("after", after)):
+        with open(f"{prefix}_{suffix}.py", "w") as f:
+            f.write(gm.print_readable(print_output=False))
+    with open(f"{prefix}_report.txt", "w") as f:
+        f.write(str(report) + "\n")
+    return prefix
+
+
+def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any) -> Report:
+    """What fusepass would rewrite in `model` for these inputs, without changing `model`.
+
+    Runs a deep copy of the model once under torch.compile with a backend that only records the
+    matches and misses of each graph Dynamo captures (the copy runs eagerly otherwise).
+    """
+    from fusepass.pattern import find_chains
+
+    report = Report()
+
+    def recording_backend(gm: GraphModule, _example_inputs):
+        report.add_graph(*find_chains(gm.graph))
+        return gm.forward
+
+    torch.compile(copy.deepcopy(model), backend=recording_backend)(*example_inputs, **example_kwargs)
+    return report

@@ -1,0 +1,425 @@
+"""The fused operator ``torch.ops.fusepass.linear_scale_batch_norm``.
+
+It computes, exactly as eager PyTorch does for ``F.batch_norm(F.linear(x, W, b) * s, ...)`` on 2-D input:
+
+    y   = linear(x, W, b)                       # in x's dtype, like eager
+    z   = y * s                                 # s: per-feature, (1,), 0-d tensor or a Python number
+    out = (z - mean) * invstd * gamma + beta    # batch statistics (training) or running statistics (eval)
+
+In training it also returns the updated running statistics (momentum update, unbiased variance); the
+rewritten graph copies them into the module's buffers, because an op that mutates its inputs cannot
+carry an autograd formula.
+
+Contents, in order: the plain-PyTorch reference (also the CPU implementation), the Triton kernels, the
+launcher that runs them on a linear output, the op registration with its fake and autograd formulas.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+OP_NAME = "fusepass::linear_scale_batch_norm"
+
+
+def check_batch_size(training: bool, x: Tensor) -> None:
+    """Eager's check: batch statistics over a single row are undefined."""
+    if training and x.shape[0] == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {torch.Size((1, *x.shape[1:]))}"
+        )
+
+
+def _new_running_stat_shape(training: bool, running: Optional[Tensor]) -> tuple[int, ...]:
+    return tuple(running.shape) if training and running is not None else (0,)
+
+
+# --------------------------------------------------------------------------- reference / CPU
+
+
+def reference(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    scale: Optional[Tensor],
+    scale_value: float,
+    bn_weight: Optional[Tensor],
+    bn_bias: Optional[Tensor],
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    training: bool,
+    momentum: float,
+    eps: float,
+    out_dtype: torch.dtype,
+    keep_linear: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The op's math in plain PyTorch, fp32 statistics. Returns the op's six outputs."""
+    check_batch_size(training, x)
+    y = F.linear(x, weight, bias)
+    z = y.float() * (scale.float() if scale is not None else scale_value)
+    if training:
+        var, mean = torch.var_mean(z, dim=0, correction=0)
+    else:
+        mean, var = running_mean.float(), running_var.float()
+    invstd = 1.0 / torch.sqrt(var + eps)
+    out = (z - mean) * invstd
+    if bn_weight is not None:
+        out = out * bn_weight.float()
+    if bn_bias is not None:
+        out = out + bn_bias.float()
+    new_mean, new_var = _updated_running_stats(z.shape[0], mean, var, running_mean, running_var, training, momentum)
+    linear_out = y if keep_linear else y.new_empty(0)
+    return out.to(out_dtype), new_mean, new_var, linear_out, mean, invstd
+
+
+def _updated_running_stats(n, mean, var, running_mean, running_var, training, momentum):
+    if not training or running_mean is None:
+        empty = mean.new_empty(0)
+        return empty, empty.clone()
+    unbiased_var = var * (n / (n - 1))
+    new_mean = momentum * mean + (1.0 - momentum) * running_mean.float()
+    new_var = momentum * unbiased_var + (1.0 - momentum) * running_var.float()
+    return new_mean.to(running_mean.dtype), new_var.to(running_var.dtype)
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+# How the scale enters the kernels.
+SCALE_NUMBER, SCALE_SINGLE, SCALE_PER_FEATURE = 0, 1, 2
+
+
+@triton.jit
+def _load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE: tl.constexpr):
+    """The scale as an fp32 vector over the columns, whatever form it came in."""
+    if SCALE_MODE == 2:
+        s = tl.load(scale_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    elif SCALE_MODE == 1:
+        s = tl.load(scale_ptr + cols * 0, mask=col_mask, other=0.0).to(tl.float32)
+    else:
+        s = tl.full(cols.shape, 1.0, tl.float32) * tl.cast(scale_value, tl.float32)
+    return s
+
+
+@triton.jit
+def _partial_stats_kernel(
+    # pointers
+    y_ptr, scale_ptr, part_mean_ptr, part_m2_ptr,
+    # sizes
+    n_rows, n_cols, rows_per_program,
+    # strides
+    stride_yr, stride_yc,
+    # scalars
+    scale_value,
+    # meta-parameters
+    SCALE_MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Per column, the mean and M2 of z = y * s over one strip of rows (Chan-merged tile by tile)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    s = _load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
+
+    row_start = pid_r * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    count = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    mean = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    m2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for r0 in range(row_start, row_end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        y = tl.load(y_ptr + rows[:, None] * stride_yr + cols[None, :] * stride_yc, mask=mask, other=0.0)
+        z = y.to(tl.float32) * s[None, :]
+        tile_count = tl.minimum(row_end - r0, BLOCK_R).to(tl.float32)
+        tile_mean = tl.sum(z, axis=0) / tile_count
+        centered = tl.where(mask, z - tile_mean[None, :], 0.0)
+        tile_m2 = tl.sum(centered * centered, axis=0)
+        # Chan et al.: merge (count, mean, m2) with the tile's.
+        total = count + tile_count
+        delta = tile_mean - mean
+        mean = mean + delta * (tile_count / total)
+        m2 = m2 + tile_m2 + delta * delta * (count * tile_count / total)
+        count = total
+
+    out_offsets = pid_r * n_cols + cols
+    tl.store(part_mean_ptr + out_offsets, mean, mask=col_mask)
+    tl.store(part_m2_ptr + out_offsets, m2, mask=col_mask)
+
+
+@triton.jit
+def _finalize_stats_kernel(
+    # pointers
+    part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+    mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
+    # sizes
+    n_rows, n_cols, n_parts, rows_per_part,
+    # scalars
+    momentum, eps,
+    # meta-parameters
+    TRAINING: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Per column: merge the strips' statistics (Chan), emit mean/invstd, update the running statistics."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    eps = tl.cast(eps, tl.float32)
+    if TRAINING:
+        count = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        mean = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        m2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for p in range(0, n_parts):
+            part_count = tl.minimum(rows_per_part, n_rows - p * rows_per_part).to(tl.float32)
+            part_mean = tl.load(part_mean_ptr + p * n_cols + cols, mask=col_mask, other=0.0)
+            part_m2 = tl.load(part_m2_ptr + p * n_cols + cols, mask=col_mask, other=0.0)
+            total = count + part_count
+            delta = part_mean - mean
+            mean = mean + delta * (part_count / total)
+            m2 = m2 + part_m2 + delta * delta * (count * part_count / total)
+            count = total
+        var = m2 / count
+    else:
+        mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        var = tl.load(running_var_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
+    invstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
+    tl.store(mean_ptr + cols, mean, mask=col_mask)
+    tl.store(invstd_ptr + cols, invstd, mask=col_mask)
+
+    if UPDATE_RUNNING:
+        momentum = tl.cast(momentum, tl.float32)
+        unbiased_var = var * (count / (count - 1.0))
+        running_mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        running_var = tl.load(running_var_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        new_mean = momentum * mean + (1.0 - momentum) * running_mean
+        new_var = momentum * unbiased_var + (1.0 - momentum) * running_var
+        tl.store(new_running_mean_ptr + cols, new_mean.to(new_running_mean_ptr.dtype.element_ty), mask=col_mask)
+        tl.store(new_running_var_ptr + cols, new_var.to(new_running_var_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _normalize_kernel(
+    # pointers
+    y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, out_ptr,
+    # sizes
+    n_rows, n_cols,
+    # strides
+    stride_yr, stride_yc, stride_or, stride_oc,
+    # scalars
+    scale_value,
+    # meta-parameters
+    SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """out = (y * s - mean) * invstd * gamma + beta, in fp32, stored in out's dtype."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+
+    s = _load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
+    mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
+    invstd = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
+    y = tl.load(y_ptr + rows[:, None] * stride_yr + cols[None, :] * stride_yc, mask=mask, other=0.0)
+    out = (y.to(tl.float32) * s[None, :] - mean[None, :]) * invstd[None, :]
+    if HAS_GAMMA:
+        out = out * tl.load(gamma_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BETA:
+        out = out + tl.load(beta_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------- launcher
+
+STATS_BLOCK_R, STATS_BLOCK_C = 32, 64
+NORM_BLOCK_R, NORM_BLOCK_C = 32, 64
+FINALIZE_BLOCK_C = 128
+# Rows each statistics program covers: enough strips to fill a GPU, few enough to keep partials small.
+TARGET_ROW_STRIPS = 64
+
+
+def _scale_mode(scale: Optional[Tensor]) -> int:
+    if scale is None:
+        return SCALE_NUMBER
+    return SCALE_PER_FEATURE if scale.numel() > 1 else SCALE_SINGLE
+
+
+def scale_batch_norm(
+    y: Tensor,
+    scale: Optional[Tensor],
+    scale_value: float,
+    bn_weight: Optional[Tensor],
+    bn_bias: Optional[Tensor],
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    training: bool,
+    momentum: float,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Runs the Triton kernels on a linear output y of shape (N, F).
+
+    Returns (out, new_running_mean, new_running_var, mean, invstd). Two passes over y in training
+    (statistics, then normalization), one in eval; the merge in between touches only F-sized vectors.
+    """
+    n_rows, n_cols = y.shape
+    if not training and running_mean is None:
+        raise ValueError("batch_norm in eval mode needs running statistics")
+    check_batch_size(training, y)
+    update_running = training and running_mean is not None
+
+    fp32 = dict(device=y.device, dtype=torch.float32)
+    mean = torch.empty(n_cols, **fp32)
+    invstd = torch.empty(n_cols, **fp32)
+    new_mean = torch.empty(_new_running_stat_shape(training, running_mean), device=y.device,
+                           dtype=running_mean.dtype if running_mean is not None else torch.float32)
+    new_var = torch.empty(_new_running_stat_shape(training, running_var), device=y.device,
+                          dtype=running_var.dtype if running_var is not None else torch.float32)
+    scale_mode = _scale_mode(scale)
+    scale_arg = scale if scale is not None else mean  # any tensor: never read for SCALE_NUMBER
+
+    rows_per_part = STATS_BLOCK_R * max(1, triton.cdiv(n_rows, STATS_BLOCK_R * TARGET_ROW_STRIPS))
+    n_parts = triton.cdiv(n_rows, rows_per_part) if training else 0
+    part_mean = torch.empty((n_parts, n_cols), **fp32)
+    part_m2 = torch.empty((n_parts, n_cols), **fp32)
+    if training:
+        _partial_stats_kernel[(n_parts, triton.cdiv(n_cols, STATS_BLOCK_C))](
+            y, scale_arg, part_mean, part_m2,
+            n_rows, n_cols, rows_per_part,
+            y.stride(0), y.stride(1),
+            scale_value,
+            SCALE_MODE=scale_mode, BLOCK_R=STATS_BLOCK_R, BLOCK_C=STATS_BLOCK_C,
+        )
+    stats_in = running_mean if running_mean is not None else mean
+    var_in = running_var if running_var is not None else mean
+    _finalize_stats_kernel[(triton.cdiv(n_cols, FINALIZE_BLOCK_C),)](
+        part_mean, part_m2, stats_in, var_in,
+        mean, invstd, new_mean, new_var,
+        n_rows, n_cols, n_parts, rows_per_part,
+        momentum, eps,
+        TRAINING=training, UPDATE_RUNNING=update_running, BLOCK_C=FINALIZE_BLOCK_C,
+    )
+
+    out = torch.empty((n_rows, n_cols), device=y.device, dtype=out_dtype)
+    _normalize_kernel[(triton.cdiv(n_rows, NORM_BLOCK_R), triton.cdiv(n_cols, NORM_BLOCK_C))](
+        y, scale_arg, mean, invstd,
+        bn_weight if bn_weight is not None else mean, bn_bias if bn_bias is not None else mean, out,
+        n_rows, n_cols,
+        y.stride(0), y.stride(1), out.stride(0), out.stride(1),
+        scale_value,
+        SCALE_MODE=scale_mode, HAS_GAMMA=bn_weight is not None, HAS_BETA=bn_bias is not None,
+        BLOCK_R=NORM_BLOCK_R, BLOCK_C=NORM_BLOCK_C,
+    )
+    return out, new_mean, new_var, mean, invstd
+
+
+# --------------------------------------------------------------------------- op registration
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def linear_scale_batch_norm(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    scale: Optional[Tensor],
+    scale_value: float,
+    bn_weight: Optional[Tensor],
+    bn_bias: Optional[Tensor],
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    training: bool,
+    momentum: float,
+    eps: float,
+    out_dtype: torch.dtype,
+    keep_linear: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (out, new_running_mean, new_running_var, linear_out, mean, invstd).
+
+    new_running_* are empty unless training with running statistics; linear_out (kept for the
+    backward) is empty unless keep_linear.
+    """
+    return reference(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
+                     training, momentum, eps, out_dtype, keep_linear)
+
+
+@linear_scale_batch_norm.register_kernel("cuda")
+def _cuda(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
+          training, momentum, eps, out_dtype, keep_linear):
+    check_batch_size(training, x)
+    y = F.linear(x, weight, bias)  # cuBLAS, rounded to x's dtype like eager; the fused GEMM comes later
+    out, new_mean, new_var, mean, invstd = scale_batch_norm(
+        y, scale, scale_value, bn_weight, bn_bias, running_mean, running_var, training, momentum, eps, out_dtype
+    )
+    return out, new_mean, new_var, y if keep_linear else y.new_empty(0), mean, invstd
+
+
+@linear_scale_batch_norm.register_fake
+def _fake(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
+          training, momentum, eps, out_dtype, keep_linear):
+    check_batch_size(training, x)
+    n, f = x.shape[0], weight.shape[0]
+    stats_dtype = running_mean.dtype if running_mean is not None else torch.float32
+    return (
+        x.new_empty((n, f), dtype=out_dtype),
+        x.new_empty(_new_running_stat_shape(training, running_mean), dtype=stats_dtype),
+        x.new_empty(_new_running_stat_shape(training, running_var), dtype=stats_dtype),
+        x.new_empty((n, f) if keep_linear else (0,)),
+        x.new_empty((f,), dtype=torch.float32),
+        x.new_empty((f,), dtype=torch.float32),
+    )
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+def _setup_context(ctx, inputs, output):
+    (x, weight, bias, scale, scale_value, bn_weight, _bn_bias, _rm, _rv,
+     training, _momentum, _eps, _out_dtype, keep_linear) = inputs
+    _out, new_mean, new_var, linear_out, mean, invstd = output
+    ctx.mark_non_differentiable(new_mean, new_var, linear_out, mean, invstd)
+    ctx.save_for_backward(x, weight, scale, bn_weight, linear_out, mean, invstd)
+    ctx.training = training
+    ctx.keep_linear = keep_linear
+    ctx.scale_value = scale_value
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.bn_bias_dtype = _bn_bias.dtype if _bn_bias is not None else None
+
+
+def _backward(ctx, grad_out, *_grads_of_non_differentiable_outputs):
+    x, weight, scale, bn_weight, linear_out, mean, invstd = ctx.saved_tensors
+    if not ctx.keep_linear:
+        raise RuntimeError("fusepass.linear_scale_batch_norm was called with keep_linear=False; no backward")
+    grad_z, grad_gamma, grad_beta = _batch_norm_backward(ctx, grad_out, linear_out, scale, bn_weight, mean, invstd)
+
+    s = scale.float() if scale is not None else ctx.scale_value
+    grad_scale = None
+    if scale is not None and ctx.needs_input_grad[3]:
+        grad_scale = (grad_z * linear_out.float()).sum_to_size(scale.shape).to(scale.dtype)
+    grad_y = (grad_z * s).to(linear_out.dtype)
+    grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
+    grad_w = grad_y.t() @ x if ctx.needs_input_grad[1] else None
+    grad_b = grad_y.float().sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+    return (grad_x, grad_w, grad_b, grad_scale, None, grad_gamma, grad_beta,
+            None, None, None, None, None, None, None)
+
+
+def _batch_norm_backward(ctx, grad_out, linear_out, scale, bn_weight, mean, invstd):
+    """Gradients of BN w.r.t. its input z = y * s, and w.r.t. gamma and beta, in fp32."""
+    s = scale.float() if scale is not None else ctx.scale_value
+    x_hat = (linear_out.float() * s - mean) * invstd
+    g = grad_out.float()
+    grad_gamma = (g * x_hat).sum(0).to(bn_weight.dtype) if bn_weight is not None else None
+    grad_beta = g.sum(0).to(ctx.bn_bias_dtype) if ctx.bn_bias_dtype is not None else None
+    g_hat = g * bn_weight.float() if bn_weight is not None else g
+    if ctx.training:
+        # Batch statistics depend on z: project out the mean and the x_hat component.
+        g_hat = g_hat - g_hat.mean(0) - x_hat * (g_hat * x_hat).mean(0)
+    return g_hat * invstd, grad_gamma, grad_beta
+
+
+linear_scale_batch_norm.register_autograd(_backward, setup_context=_setup_context)

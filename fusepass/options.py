@@ -1,0 +1,65 @@
+"""The backend's `mode` and `options`: fusepass's own keys, the rest forwarded to Inductor."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch._inductor
+from torch._inductor import config as inductor_config
+
+DEBUG_DIR_ENV = "FUSEPASS_DEBUG_DIR"
+FALLBACKS = ("inductor", "eager")
+# fusepass's own keys and what they mean; every other key must be an Inductor config key.
+FUSEPASS_KEYS = {
+    "debug_dir": "write each graph before/after rewriting and its match report here (env FUSEPASS_DEBUG_DIR)",
+    "fallback": "what a graph falls back to if rewriting or compiling the fused op fails: 'inductor' or 'eager'",
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    mode: str = "default"
+    debug_dir: Optional[str] = None
+    fallback: str = "inductor"
+    inductor_patches: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, mode: Optional[str] = None, options: Optional[dict[str, Any]] = None) -> "Options":
+        mode = mode or "default"
+        modes = torch._inductor.list_mode_options()
+        if mode not in modes:
+            raise ValueError(f"fusepass: unknown mode {mode!r}; valid modes: {', '.join(modes)}")
+        options = dict(options or {})
+        own = {key: options.pop(key) for key in list(options) if key in FUSEPASS_KEYS}
+        fallback = own.get("fallback", "inductor")
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fusepass: options['fallback'] must be one of {FALLBACKS}, got {fallback!r}")
+        patches = dict(modes[mode])
+        patches.update(_inductor_patches(options))
+        debug_dir = own.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
+        return cls(mode=mode, debug_dir=debug_dir, fallback=fallback, inductor_patches=patches)
+
+
+def _inductor_patches(options: dict[str, Any]) -> dict[str, Any]:
+    known = inductor_config.get_config_copy()
+    patches = {}
+    for key, value in options.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ValueError(_unknown_key_message(key, known))
+        patches[name] = value
+    return patches
+
+
+def _unknown_key_message(key: str, inductor_keys: dict[str, Any]) -> str:
+    own = "\n".join(f"  {k}: {doc}" for k, doc in FUSEPASS_KEYS.items())
+    close = difflib.get_close_matches(key, [*FUSEPASS_KEYS, *inductor_keys], n=5)
+    hint = f"\nDid you mean: {', '.join(close)}?" if close else ""
+    return (
+        f"fusepass: unknown option {key!r}. Valid options are fusepass's own keys\n{own}\n"
+        f"and any of the {len(inductor_keys)} torch._inductor.config keys "
+        f"(see torch._inductor.list_options()).{hint}"
+    )

@@ -1,0 +1,291 @@
+"""Which chains fusepass fuses, described declaratively, and the matcher that finds them.
+
+A chain family is a list of steps, each with a parser that recognises one FX node and normalizes its
+arguments once (into LinearArgs, ScaleArgs, BatchNormArgs). The matcher anchors on the family's
+anchor step (batch_norm, the rare op) and walks back through the head steps; every anchor it cannot
+fuse becomes a Miss with the reason, so `explain()` can show near-matches.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Graph, Node
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DEVICES = ("cpu", "cuda")
+
+LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
+MUL_TARGETS = (operator.mul, torch.mul, torch.Tensor.mul)
+BATCH_NORM_TARGETS = (F.batch_norm,)
+
+
+class NoMatch(Exception):
+    """A node does not fit a step; the message is the reason shown in explain()."""
+
+
+# --------------------------------------------------------------------------- normalized arguments
+
+
+@dataclass(frozen=True)
+class LinearArgs:
+    x: Node
+    weight: Node
+    bias: Optional[Node]
+
+
+@dataclass(frozen=True)
+class ScaleArgs:
+    scale: Union[Node, float]  # a tensor of shape (F,), (1,) or (), or a Python number
+
+
+@dataclass(frozen=True)
+class BatchNormArgs:
+    running_mean: Optional[Node]
+    running_var: Optional[Node]
+    weight: Optional[Node]
+    bias: Optional[Node]
+    training: bool
+    momentum: float
+    eps: float
+
+
+def meta_value(node: Any) -> Any:
+    """The fake tensor (or SymInt) Dynamo recorded for a node; None for non-nodes."""
+    if not isinstance(node, Node):
+        return None
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def _bind(node: Node, names: tuple[str, ...], defaults: dict[str, Any]) -> dict[str, Any]:
+    """Maps a call's positional and keyword arguments onto parameter names."""
+    if len(node.args) > len(names):
+        raise NoMatch(f"{node.name}: unexpected extra arguments")
+    bound = dict(defaults)
+    bound.update(zip(names, node.args))
+    for key, value in node.kwargs.items():
+        if key not in names:
+            raise NoMatch(f"{node.name}: unexpected keyword {key!r}")
+        bound[key] = value
+    missing = [n for n in names if n not in bound]
+    if missing:
+        raise NoMatch(f"{node.name}: missing arguments {missing}")
+    return bound
+
+
+def _is_call(node: Any, targets: tuple) -> bool:
+    return isinstance(node, Node) and (
+        (node.op == "call_function" and node.target in targets)
+        or (node.op == "call_method" and getattr(torch.Tensor, str(node.target), None) in targets)
+    )
+
+
+def _check_tensor(node: Node, what: str, ndim: Optional[int] = None) -> torch.Tensor:
+    value = meta_value(node)
+    if not isinstance(value, torch.Tensor):
+        raise NoMatch(f"{what} `{node.name}` has no recorded tensor metadata")
+    if ndim is not None and value.dim() != ndim:
+        raise NoMatch(f"{what} `{node.name}` is {value.dim()}-D; only {ndim}-D is fused")
+    if value.dtype not in SUPPORTED_DTYPES:
+        raise NoMatch(f"{what} `{node.name}` has dtype {value.dtype}; fused dtypes are float32, bfloat16, float16")
+    if value.device.type not in SUPPORTED_DEVICES:
+        raise NoMatch(f"{what} `{node.name}` is on {value.device.type}; fused devices are cpu and cuda")
+    return value
+
+
+def _describe(node: Any) -> str:
+    if not isinstance(node, Node):
+        return repr(node)
+    if node.op == "call_function":
+        return f"`{node.name}` ({getattr(node.target, '__name__', node.target)})"
+    return f"`{node.name}` ({node.op} {node.target})"
+
+
+# --------------------------------------------------------------------------- step parsers
+# Each parser takes a node whose target fits the step and returns the interpretations
+# [(args, chain_input)] under which it fits; chain_input is the node the previous step must produce.
+
+
+def parse_linear(node: Node) -> list[tuple[LinearArgs, Optional[Node]]]:
+    args = _bind(node, ("input", "weight", "bias"), {"bias": None})
+    _check_tensor(args["input"], "linear input", ndim=2)
+    _check_tensor(node, "linear output", ndim=2)
+    return [(LinearArgs(args["input"], args["weight"], args["bias"]), None)]
+
+
+def _scale_like(operand: Any, n_features: int) -> bool:
+    if isinstance(operand, (int, float)) and not isinstance(operand, bool):
+        return True
+    value = meta_value(operand)
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dtype in SUPPORTED_DTYPES
+        and tuple(value.shape) in ((n_features,), (1,), ())
+    )
+
+
+def parse_scale(node: Node) -> list[tuple[ScaleArgs, Optional[Node]]]:
+    args = _bind(node, ("input", "other"), {})
+    interpretations = []
+    for chain, scale in ((args["input"], args["other"]), (args["other"], args["input"])):
+        chain_value = meta_value(chain)
+        if not isinstance(chain_value, torch.Tensor) or chain_value.dim() != 2 or chain is scale:
+            continue
+        if _scale_like(scale, chain_value.shape[-1]):
+            interpretations.append((ScaleArgs(float(scale) if not isinstance(scale, Node) else scale), chain))
+    if not interpretations:
+        raise NoMatch(
+            f"`{node.name}` multiplies by something other than a per-feature, (1,), 0-d or Python-number scale"
+        )
+    return interpretations
+
+
+def parse_batch_norm(node: Node) -> list[tuple[BatchNormArgs, Optional[Node]]]:
+    names = tuple(inspect.signature(F.batch_norm).parameters)
+    defaults = {k: p.default for k, p in inspect.signature(F.batch_norm).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    args = _bind(node, names, defaults)
+    _check_tensor(args["input"], "batch_norm input", ndim=2)
+    if not isinstance(args["training"], bool):
+        raise NoMatch(f"`{node.name}`: training flag is not a constant")
+    if not all(isinstance(args[k], (int, float)) for k in ("momentum", "eps")):
+        raise NoMatch(f"`{node.name}`: momentum and eps must be constants (momentum=None in training "
+                      "graph-breaks in Dynamo before fusepass sees it)")
+    running = (args["running_mean"], args["running_var"])
+    if (running[0] is None) != (running[1] is None):
+        raise NoMatch(f"`{node.name}`: only one of running_mean / running_var is given")
+    if not args["training"] and running[0] is None:
+        raise NoMatch(f"`{node.name}`: eval-mode batch_norm without running statistics")
+    bn = BatchNormArgs(args["running_mean"], args["running_var"], args["weight"], args["bias"],
+                       args["training"], float(args["momentum"]), float(args["eps"]))
+    return [(bn, args["input"])]
+
+
+# --------------------------------------------------------------------------- chain families
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    targets: tuple  # the callables (or Tensor methods) this step's node may call
+    parse: Callable[[Node], list[tuple[Any, Optional[Node]]]]
+    optional: bool = False
+
+    def interpretations(self, node: Any) -> list[tuple[Any, Optional[Node]]]:
+        if not _is_call(node, self.targets):
+            raise NoMatch(f"expected {self.name}, found {_describe(node)}")
+        return self.parse(node)
+
+
+LINEAR = Step("linear", LINEAR_TARGETS, parse_linear)
+SCALE = Step("scale", MUL_TARGETS, parse_scale)
+BATCH_NORM = Step("batch_norm", BATCH_NORM_TARGETS, parse_batch_norm)
+
+
+@dataclass(frozen=True)
+class ChainFamily:
+    """Steps in data-flow order: `head` feeds `anchor`. Optional steps may be absent."""
+
+    head: tuple[Step, ...]
+    anchor: Step
+
+
+LINEAR_BATCH_NORM_FAMILY = ChainFamily(head=(LINEAR, SCALE), anchor=BATCH_NORM)
+FAMILIES = (LINEAR_BATCH_NORM_FAMILY,)
+
+
+@dataclass
+class Match:
+    """A chain to replace: `nodes` in data-flow order and each matched step's normalized arguments."""
+
+    nodes: tuple[Node, ...]
+    args: dict[str, Any]  # step name -> LinearArgs / ScaleArgs / BatchNormArgs
+
+    @property
+    def pattern(self) -> str:
+        return "_".join(self.args)
+
+    @property
+    def anchor(self) -> Node:
+        return self.nodes[-1]
+
+    def get(self, step: str) -> Any:
+        return self.args.get(step)
+
+
+@dataclass
+class Miss:
+    """An anchor node that was left alone, and why."""
+
+    anchor: Node
+    reason: str
+    nodes: tuple[Node, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class _Failure:
+    reason: str
+    depth: int  # how many steps matched before failing: the deepest failure is the most telling
+    nodes: tuple[Node, ...]
+
+
+def _match_head(steps: tuple[Step, ...], node: Node, matched: tuple) -> Union[list, _Failure]:
+    """Matches `steps` (in data-flow order) ending at `node`, walking backwards. Returns the list of
+    (step, node, args) in data-flow order, or the deepest failure."""
+    if not steps:
+        return []
+    step, earlier = steps[-1], steps[:-1]
+    failures = []
+    try:
+        interpretations = step.interpretations(node)
+    except NoMatch as exc:
+        interpretations = []
+        failures.append(_Failure(str(exc), len(matched), tuple(matched)))
+    for args, chain_input in interpretations:
+        if len(node.users) != 1:
+            users = ", ".join(u.name for u in node.users)
+            failures.append(_Failure(f"intermediate `{node.name}` has other users ({users})",
+                                     len(matched) + 1, (node, *matched)))
+            continue
+        rest = _match_head(earlier, chain_input, (node, *matched)) if earlier else []
+        if isinstance(rest, _Failure):
+            failures.append(rest)
+            continue
+        return [*rest, (step, node, args)]
+    if step.optional:
+        rest = _match_head(earlier, node, matched)
+        if not isinstance(rest, _Failure):
+            return rest
+        failures.append(rest)
+    return max(failures, key=lambda f: f.depth)
+
+
+def _match_anchor(family: ChainFamily, anchor: Node) -> Union[Match, _Failure]:
+    try:
+        [(anchor_args, chain_input)] = family.anchor.interpretations(anchor)
+    except NoMatch as exc:
+        return _Failure(str(exc), 0, (anchor,))
+    head = _match_head(family.head, chain_input, (anchor,))
+    if isinstance(head, _Failure):
+        return head
+    steps = [*head, (family.anchor, anchor, anchor_args)]
+    return Match(nodes=tuple(n for _, n, _ in steps), args={s.name: a for s, _, a in steps})
+
+
+def find_chains(graph: Graph, families: tuple[ChainFamily, ...] = FAMILIES) -> tuple[list[Match], list[Miss]]:
+    """Every fusable chain in `graph`, and every anchor-like node that could not be fused, with why."""
+    matches, misses = [], []
+    for node in graph.nodes:
+        results = [_match_anchor(f, node) for f in families if _is_call(node, f.anchor.targets)]
+        found = [r for r in results if isinstance(r, Match)]
+        if found:
+            matches.append(max(found, key=lambda m: len(m.nodes)))
+        elif results:
+            deepest = max(results, key=lambda f: f.depth)
+            misses.append(Miss(anchor=node, reason=deepest.reason, nodes=deepest.nodes))
+    return matches, misses

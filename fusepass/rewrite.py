@@ -1,0 +1,81 @@
+"""Replaces matched chains in an FX graph with the fused operator."""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Optional
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from fusepass.lowering import linear_scale_batch_norm  # noqa: F401  (registers the op)
+from fusepass.pattern import Match, Miss, find_chains, meta_value
+
+FUSED_OP = torch.ops.fusepass.linear_scale_batch_norm.default
+# Outputs of FUSED_OP, by position.
+OUT, NEW_RUNNING_MEAN, NEW_RUNNING_VAR = 0, 1, 2
+
+
+def _cast(graph: Graph, node: Optional[Node], dtype: torch.dtype) -> Optional[Node]:
+    """Casts `node` to `dtype` in the graph, as autocast does for linear's inputs; no-op if it already is."""
+    value = meta_value(node)
+    if node is None or value is None or value.dtype == dtype:
+        return node
+    return graph.call_method("to", (node, dtype))
+
+
+def replace_chain(graph: Graph, match: Match) -> Node:
+    """Replaces one matched chain by FUSED_OP; returns the node that now stands for the chain's output."""
+    linear, scale, bn = match.get("linear"), match.get("scale"), match.get("batch_norm")
+    anchor = match.anchor
+    result = meta_value(anchor)
+    # Under autocast the linear runs in a lower precision than its inputs: the op sees that dtype.
+    compute_dtype = meta_value(match.nodes[0]).dtype
+    scale_tensor = scale.scale if scale is not None and isinstance(scale.scale, Node) else None
+    scale_value = scale.scale if scale is not None and scale_tensor is None else 1.0
+
+    with graph.inserting_before(anchor):
+        fused = graph.call_function(FUSED_OP, (
+            _cast(graph, linear.x, compute_dtype),
+            _cast(graph, linear.weight, compute_dtype),
+            _cast(graph, linear.bias, compute_dtype),
+            scale_tensor, float(scale_value),
+            bn.weight, bn.bias, bn.running_mean, bn.running_var,
+            bn.training, bn.momentum, bn.eps,
+            result.dtype,
+            bool(result.requires_grad),  # keep the linear output for the backward only if one is needed
+        ))
+        out = graph.call_function(operator.getitem, (fused, OUT))
+        out.meta.update(anchor.meta)
+        if bn.training and bn.running_mean is not None:
+            for index, buffer in ((NEW_RUNNING_MEAN, bn.running_mean), (NEW_RUNNING_VAR, bn.running_var)):
+                graph.call_method("copy_", (buffer, graph.call_function(operator.getitem, (fused, index))))
+
+    anchor.replace_all_uses_with(out)
+    for node in reversed(match.nodes):
+        graph.erase_node(node)
+    return out
+
+
+def rewrite(gm: GraphModule) -> tuple[list[Match], list[Miss]]:
+    """Rewrites every match in `gm` in place. Returns the matches (now replaced) and the misses."""
+    matches, misses = find_chains(gm.graph)
+    for match in matches:
+        replace_chain(gm.graph, match)
+    if matches:
+        gm.graph.lint()
+        gm.recompile()
+    return matches, misses
+
+
+def copy_graph_module(gm: GraphModule) -> GraphModule:
+    """A GraphModule sharing gm's attributes but with its own copy of the graph (node meta kept)."""
+    graph = Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    duplicate = GraphModule(gm, graph)
+    duplicate.meta.update(getattr(gm, "meta", {}))
+    return duplicate
+
