@@ -10,6 +10,8 @@ import logging
 import warnings
 from typing import Any, Callable, Optional
 
+import torch
+from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx
 from torch.fx import GraphModule
 
@@ -18,6 +20,8 @@ from fusepass.options import Options
 from fusepass.rewrite import copy_graph_module, rewrite
 
 log = logging.getLogger(__name__)
+# torch._dynamo.utils.counters["fusepass"]: "graphs" compiled, "rewrites" made, "fallbacks" taken.
+stats = counters["fusepass"]
 
 
 class FusepassFallbackWarning(UserWarning):
@@ -30,21 +34,26 @@ def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] 
     original = copy_graph_module(gm)
     try:
         matches, misses = rewrite(gm)
+        stats["graphs"] += 1
+        stats["rewrites"] += len(matches)
         report = Report()
         report.add_graph(matches, misses)
         log.info("%s", report)
         if opts.debug_dir:
             write_debug_dump(opts.debug_dir, original, gm, report)
-        compiled = compile_fx(gm, example_inputs, config_patches=opts.inductor_patches)
+        if matches:
+            mutated = mutated_input_positions(gm)
+            compiled = compile_fx(gm, example_inputs, config_patches=opts.inductor_patches)
     except Exception as exc:  # never break the user's model: compile it without fused ops
         return _fall_back(original, example_inputs, opts, f"rewriting or compiling failed: {exc!r}")
-    if not matches:
-        return compiled
-    return _FirstCallGuard(compiled, lambda exc: _fall_back(
+    if not matches:  # nothing of fusepass's in this graph: plain Inductor, its errors its own
+        return compile_fx(gm, example_inputs, config_patches=opts.inductor_patches)
+    return _FirstCallGuard(compiled, mutated, lambda exc: _fall_back(
         original, example_inputs, opts, f"the fused graph failed on its first call: {exc!r}"))
 
 
 def _fall_back(original: GraphModule, example_inputs: list, opts: Options, why: str) -> Callable:
+    stats["fallbacks"] += 1
     warnings.warn(f"fusepass: {why}; this graph falls back to {opts.fallback}", FusepassFallbackWarning,
                   stacklevel=2)
     if opts.fallback == "eager":
@@ -52,22 +61,40 @@ def _fall_back(original: GraphModule, example_inputs: list, opts: Options, why: 
     return compile_fx(original, example_inputs, config_patches=opts.inductor_patches)
 
 
+def mutated_input_positions(gm: GraphModule) -> list[int]:
+    """Positions of the graph inputs that the graph changes in place (running statistics, counters):
+    the first argument of an in-place call (PyTorch names them with a trailing underscore)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    mutated = set()
+    for node in gm.graph.nodes:
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        in_place = isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+        if in_place and node.args and node.args[0] in placeholders:
+            mutated.add(node.args[0])
+    return [i for i, p in enumerate(placeholders) if p in mutated]
+
+
 class _FirstCallGuard:
     """Runs the fused graph; if its first call fails (a Triton kernel that does not compile, say),
-    switches this graph to the fallback for good. A compiled graph applies its input mutations
-    (running statistics) only after it finishes, so the retry sees the inputs unchanged."""
+    restores the inputs the graph mutates in place and switches this graph to the fallback for good."""
 
-    def __init__(self, compiled: Callable, make_fallback: Callable[[Exception], Callable]):
+    def __init__(self, compiled: Callable, mutated_positions: list[int],
+                 make_fallback: Callable[[Exception], Callable]):
         self._compiled = compiled
         self._make_fallback = make_fallback
+        self._mutated_positions = mutated_positions
         self._checked = False
 
     def __call__(self, *args: Any) -> Any:
         if self._checked:
             return self._compiled(*args)
+        saved = {i: args[i].detach().clone() for i in self._mutated_positions}
         try:
             result = self._compiled(*args)
         except Exception as exc:
+            with torch.no_grad():
+                for i, value in saved.items():
+                    args[i].copy_(value)
             self._compiled = self._make_fallback(exc)
             result = self._compiled(*args)
         self._checked = True

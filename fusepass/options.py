@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import difflib
+import functools
+import hashlib
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -39,6 +42,7 @@ class Options:
             raise ValueError(f"fusepass: options['fallback'] must be one of {FALLBACKS}, got {fallback!r}")
         patches = dict(modes[mode])
         patches.update(_inductor_patches(options))
+        _key_caches_on_fusepass_source(patches)
         debug_dir = own.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
         return cls(mode=mode, debug_dir=debug_dir, fallback=fallback, inductor_patches=patches)
 
@@ -52,6 +56,25 @@ def _inductor_patches(options: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(_unknown_key_message(key, known))
         patches[name] = value
     return patches
+
+
+@functools.cache
+def _fusepass_source_hash() -> str:
+    package = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _key_caches_on_fusepass_source(patches: dict[str, Any]) -> None:
+    """Inductor's caches know the fused op by name only, not its Python kernels or backward formula:
+    key them on fusepass's source, so a changed fusepass never reuses a stale compiled graph."""
+    key = "unsafe_marked_cacheable_functions"
+    if key in inductor_config.get_config_copy():
+        marked = dict(patches.get(key, inductor_config.get_config_copy()[key]))
+        marked["torch.ops.fusepass"] = _fusepass_source_hash()
+        patches[key] = marked
 
 
 def _unknown_key_message(key: str, inductor_keys: dict[str, Any]) -> str:

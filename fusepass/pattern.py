@@ -101,6 +101,8 @@ def _check_tensor(node: Node, what: str, ndim: Optional[int] = None) -> torch.Te
 def _describe(node: Any) -> str:
     if not isinstance(node, Node):
         return repr(node)
+    if node.op == "placeholder":
+        return f"graph input `{node.name}` (a Dynamo graph break may separate it from its producer)"
     if node.op == "call_function":
         return f"`{node.name}` ({getattr(node.target, '__name__', node.target)})"
     return f"`{node.name}` ({node.op} {node.target})"

@@ -65,7 +65,8 @@ def reference(
     if training:
         var, mean = torch.var_mean(z, dim=0, correction=0)
     else:
-        mean, var = running_mean.float(), running_var.float()
+        # Copies: an op's outputs must not alias its inputs.
+        mean, var = running_mean.to(torch.float32, copy=True), running_var.to(torch.float32, copy=True)
     invstd = 1.0 / torch.sqrt(var + eps)
     out = (z - mean) * invstd
     if bn_weight is not None:
@@ -378,48 +379,61 @@ def _fake(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean,
 
 
 def _setup_context(ctx, inputs, output):
-    (x, weight, bias, scale, scale_value, bn_weight, _bn_bias, _rm, _rv,
-     training, _momentum, _eps, _out_dtype, keep_linear) = inputs
+    (x, weight, bias, scale, scale_value, bn_weight, bn_bias, _rm, _rv,
+     training, _momentum, eps, _out_dtype, keep_linear) = inputs
     _out, new_mean, new_var, linear_out, mean, invstd = output
     ctx.mark_non_differentiable(new_mean, new_var, linear_out, mean, invstd)
     ctx.save_for_backward(x, weight, scale, bn_weight, linear_out, mean, invstd)
-    ctx.training = training
-    ctx.keep_linear = keep_linear
-    ctx.scale_value = scale_value
+    ctx.training, ctx.eps, ctx.keep_linear, ctx.scale_value = training, eps, keep_linear, scale_value
     ctx.bias_dtype = bias.dtype if bias is not None else None
-    ctx.bn_bias_dtype = _bn_bias.dtype if _bn_bias is not None else None
+    ctx.bn_bias_dtype = bn_bias.dtype if bn_bias is not None else None
 
 
 def _backward(ctx, grad_out, *_grads_of_non_differentiable_outputs):
     x, weight, scale, bn_weight, linear_out, mean, invstd = ctx.saved_tensors
     if not ctx.keep_linear:
         raise RuntimeError("fusepass.linear_scale_batch_norm was called with keep_linear=False; no backward")
-    grad_z, grad_gamma, grad_beta = _batch_norm_backward(ctx, grad_out, linear_out, scale, bn_weight, mean, invstd)
-
+    y = linear_out.float()
     s = scale.float() if scale is not None else ctx.scale_value
-    grad_scale = None
-    if scale is not None and ctx.needs_input_grad[3]:
-        grad_scale = (grad_z * linear_out.float()).sum_to_size(scale.shape).to(scale.dtype)
+    x_hat = (y * s - mean) * invstd
+    g = grad_out.float()
+    g_hat = g * bn_weight.float() if bn_weight is not None else g
+    sum_g_xhat = (g_hat * x_hat).sum(0)
+    if ctx.training:  # batch statistics depend on z: project out the mean and the x_hat component
+        grad_z = (g_hat - g_hat.mean(0) - x_hat * (sum_g_xhat / g.shape[0])) * invstd
+    else:
+        grad_z = g_hat * invstd
     grad_y = (grad_z * s).to(linear_out.dtype)
-    grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
-    grad_w = grad_y.t() @ x if ctx.needs_input_grad[1] else None
-    grad_b = grad_y.float().sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+
+    need = ctx.needs_input_grad
+    grad_x = grad_y @ weight if need[0] else None
+    grad_w = grad_y.t() @ x if need[1] else None
+    grad_b = _linear_bias_grad(ctx, grad_y) if need[2] else None
+    grad_scale = _scale_grad(ctx, scale, s, grad_z, y, sum_g_xhat, invstd) if need[3] else None
+    grad_gamma = (g * x_hat).sum(0).to(bn_weight.dtype) if need[5] else None
+    grad_beta = g.sum(0).to(ctx.bn_bias_dtype) if need[6] else None
     return (grad_x, grad_w, grad_b, grad_scale, None, grad_gamma, grad_beta,
             None, None, None, None, None, None, None)
 
 
-def _batch_norm_backward(ctx, grad_out, linear_out, scale, bn_weight, mean, invstd):
-    """Gradients of BN w.r.t. its input z = y * s, and w.r.t. gamma and beta, in fp32."""
-    s = scale.float() if scale is not None else ctx.scale_value
-    x_hat = (linear_out.float() * s - mean) * invstd
-    g = grad_out.float()
-    grad_gamma = (g * x_hat).sum(0).to(bn_weight.dtype) if bn_weight is not None else None
-    grad_beta = g.sum(0).to(ctx.bn_bias_dtype) if ctx.bn_bias_dtype is not None else None
-    g_hat = g * bn_weight.float() if bn_weight is not None else g
+def _linear_bias_grad(ctx, grad_y):
     if ctx.training:
-        # Batch statistics depend on z: project out the mean and the x_hat component.
-        g_hat = g_hat - g_hat.mean(0) - x_hat * (g_hat * x_hat).mean(0)
-    return g_hat * invstd, grad_gamma, grad_beta
+        # Batch normalization subtracts the batch mean, so a bias shift has no effect at all: the
+        # gradient is exactly zero (eager's column sum of grad_y returns only rounding noise).
+        return grad_y.new_zeros(grad_y.shape[1], dtype=ctx.bias_dtype)
+    return grad_y.float().sum(0).to(ctx.bias_dtype)
+
+
+def _scale_grad(ctx, scale, s, grad_z, y, sum_g_xhat, invstd):
+    per_feature = (grad_z * y).sum(0)
+    if ctx.training:
+        # Scaling a feature changes its normalized value only through eps, so sum(grad_z * y) cancels
+        # almost completely. Its exact value, sum(g_hat * x_hat) * eps * invstd^2 / s, does not
+        # (derivation: sum(grad_z) = sum(x_hat) = 0 and mean(x_hat^2) = var * invstd^2). At s == 0
+        # the direct form is exact.
+        closed_form = sum_g_xhat * ctx.eps * invstd * invstd / s
+        per_feature = torch.where(s != 0, closed_form, per_feature)
+    return per_feature.sum_to_size(scale.shape).to(scale.dtype)
 
 
 linear_scale_batch_norm.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,20 @@
+import os
+
+import pytest
+import torch
+
+# Without a GPU, run the Triton kernels in Triton's interpreter on CPU tensors. Must be set before
+# fusepass (and its @triton.jit kernels) is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from torch._dynamo.utils import counters  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch and counts only its own rewrites."""
+    torch._dynamo.reset()
+    counters["fusepass"].clear()
+    yield
+    torch._dynamo.reset()

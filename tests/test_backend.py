@@ -1,0 +1,212 @@
+"""End to end: torch.compile(backend="fusepass") against eager and a float64 copy of the model."""
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import fusepass.backend
+import fusepass.lowering.linear_scale_batch_norm as lowering
+from fusepass.backend import FusepassFallbackWarning
+from tests.chains import DEVICES, ChainModel, Trio, fusepass_stats, make_input
+
+VARIANTS = {
+    "per_feature": {},
+    "no_bias": {"bias": False},
+    "scale_first_torch_mul": {"scale_first": True, "torch_mul": True},
+    "single_scale": {"scale": "single"},
+    "zero_dim_scale": {"scale": "zero_dim", "scale_first": True},
+    "number_scale": {"scale": "number", "torch_mul": True},
+    "no_affine": {"affine": False},
+    "no_running_stats": {"track_running_stats": False},
+    "momentum_0.3_eps_1e-3": {"momentum": 0.3, "eps": 1e-3},
+}
+
+
+def run_train_then_eval(model, device, *, steps=3, batch=64, autocast_dtype=None, options=None):
+    trio = Trio.of(model.to(device), options=options)
+    for training in (True, False):
+        trio.train(training)
+        for _ in range(steps if training else 1):
+            trio.step(make_input(batch, model.linear.in_features, device), autocast_dtype=autocast_dtype)
+    return trio
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variants_match_eager_by_float64_criterion(variant, device):
+    torch.manual_seed(0)
+    run_train_then_eval(ChainModel(**VARIANTS[variant]), device)
+    # One graph for training, one for eval, each with exactly one rewrite.
+    assert fusepass_stats() == {"graphs": 2, "rewrites": 2}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_model(dtype, device):
+    torch.manual_seed(1)
+    run_train_then_eval(ChainModel().to(dtype), device)
+    assert fusepass_stats() == {"graphs": 2, "rewrites": 2}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", ["per_feature", "zero_dim"])
+def test_autocast_bf16(scale, device):
+    """The linear runs in bf16 as in eager; the output dtype follows eager's promotion (fp32 for a
+    per-feature fp32 scale, bf16 for a 0-d one)."""
+    torch.manual_seed(2)
+    run_train_then_eval(ChainModel(scale=scale), device, autocast_dtype=torch.bfloat16)
+    assert fusepass_stats() == {"graphs": 2, "rewrites": 2}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_changing_batch_size(device):
+    """Dynamo's automatic dynamic shapes: the second batch size recompiles with a symbolic batch."""
+    torch.manual_seed(3)
+    trio = Trio.of(ChainModel().to(device))
+    for batch in (8, 13, 5, 21):
+        trio.step(make_input(batch, 32, device))
+    assert fusepass_stats() == {"graphs": 2, "rewrites": 2}
+
+
+def test_momentum_none_is_correct_and_fused_only_without_graph_break():
+    """nn.BatchNorm1d with momentum=None computes 1/num_batches_tracked with float(tensor) in training:
+    a Dynamo graph break that puts batch_norm in a graph of its own, before any backend sees it, and
+    Dynamo keeps that split for eval too. Compiled fresh in eval mode there is no break: one rewrite."""
+    torch.manual_seed(4)
+    run_train_then_eval(ChainModel(momentum=None), "cpu")
+    assert fusepass_stats()["rewrites"] == 0
+
+    torch._dynamo.reset()
+    trio = Trio.of(ChainModel(momentum=None))
+    trio.train(False)
+    trio.step(make_input(16, 32))
+    assert fusepass_stats()["rewrites"] == 1
+
+
+def test_no_grad_inference_keeps_no_linear_output():
+    torch.manual_seed(5)
+    model = ChainModel().eval()
+    trio = Trio.of(model)
+    trio.train(False)
+    with torch.no_grad():
+        trio.step(make_input(9, 32))
+    assert fusepass_stats() == {"graphs": 1, "rewrites": 1}
+
+
+def test_batch_of_one_in_training_fails_like_eager():
+    model = ChainModel()
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        model(make_input(1, 32))
+    # Dynamo runs batch_norm on fake tensors while tracing, before any backend, and reports eager's error.
+    with pytest.raises(Exception, match="Expected more than 1 value per channel when training"):
+        torch.compile(ChainModel(), backend="fusepass")(make_input(1, 32))
+
+
+# --------------------------------------------------------------------------- registration and options
+
+
+def test_backend_is_registered_by_entry_point():
+    [entry] = [e for e in importlib.metadata.entry_points(group="torch_dynamo_backends") if e.name == "fusepass"]
+    assert entry.value == "fusepass.backend:fusepass_backend"
+
+
+def test_backend_works_by_name_without_import():
+    code = (
+        "import sys, torch\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5))\n"
+        "out = torch.compile(m, backend='fusepass')(torch.randn(4, 6))\n"
+        "assert out.shape == (4, 5) and 'fusepass.backend' in sys.modules\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def _capture_compile_fx(monkeypatch):
+    calls = []
+    real = fusepass.backend.compile_fx
+
+    def spy(gm, example_inputs, config_patches=None):
+        calls.append(dict(config_patches or {}))
+        return real(gm, example_inputs, config_patches=config_patches)
+
+    monkeypatch.setattr(fusepass.backend, "compile_fx", spy)
+    return calls
+
+
+def test_mode_is_forwarded_to_inductor(monkeypatch):
+    calls = _capture_compile_fx(monkeypatch)
+    model = ChainModel()
+    out = torch.compile(model, backend="fusepass", mode="max-autotune-no-cudagraphs")(make_input(6, 32))
+    assert out.shape == (6, 48)
+    assert calls and calls[0]["max_autotune"] is True and calls[0]["coordinate_descent_tuning"] is True
+
+
+def test_reduce_overhead_mode_runs():
+    torch.manual_seed(6)
+    trio = Trio.of(ChainModel(), mode="reduce-overhead")
+    for _ in range(2):
+        trio.step(make_input(8, 32))
+    assert fusepass_stats()["rewrites"] == 1
+
+
+def test_inductor_options_are_forwarded(monkeypatch):
+    calls = _capture_compile_fx(monkeypatch)
+    torch.compile(ChainModel(), backend="fusepass", options={"epilogue_fusion": False})(make_input(6, 32))
+    assert calls[0]["epilogue_fusion"] is False
+
+
+def test_unknown_option_lists_the_valid_ones():
+    with pytest.raises(Exception) as info:
+        torch.compile(ChainModel(), backend="fusepass", options={"debug_dri": "/tmp/x"})(make_input(6, 32))
+    message = str(info.value)
+    assert "unknown option 'debug_dri'" in message
+    assert "debug_dir" in message and "fallback" in message and "torch._inductor.config" in message
+
+
+def test_bad_fallback_value_is_rejected():
+    with pytest.raises(Exception, match="fallback"):
+        torch.compile(ChainModel(), backend="fusepass", options={"fallback": "nope"})(make_input(6, 32))
+
+
+@pytest.mark.parametrize("fallback", ["inductor", "eager"])
+def test_failed_rewrite_falls_back_with_one_warning(monkeypatch, fallback):
+    def broken_rewrite(gm):
+        raise RuntimeError("simulated rewrite failure")
+
+    monkeypatch.setattr(fusepass.backend, "rewrite", broken_rewrite)
+    torch.manual_seed(7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trio = Trio.of(ChainModel(), options={"fallback": fallback})
+        for _ in range(2):
+            trio.step(make_input(8, 32))
+    fallback_warnings = [w for w in caught if issubclass(w.category, FusepassFallbackWarning)]
+    assert len(fallback_warnings) == 1
+    assert "simulated rewrite failure" in str(fallback_warnings[0].message)
+    assert f"falls back to {fallback}" in str(fallback_warnings[0].message)
+    assert fusepass_stats()["fallbacks"] == 1
+
+
+def test_fused_op_failing_at_first_call_falls_back_without_double_update(monkeypatch):
+    """The op compiles (its fake is fine) but its kernel fails when first run: the graph switches to
+    plain Inductor and the running statistics are updated exactly once, as in eager."""
+    def broken_kernel(*args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(lowering, "reference", broken_kernel)
+    torch.manual_seed(8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trio = Trio.of(ChainModel())
+        for _ in range(2):
+            trio.step(make_input(8, 32))
+    messages = [str(w.message) for w in caught if issubclass(w.category, FusepassFallbackWarning)]
+    assert len(messages) == 1 and "simulated kernel failure" in messages[0]
+    assert torch.equal(trio.fused.bn.num_batches_tracked, trio.eager.bn.num_batches_tracked)
