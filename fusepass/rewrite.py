@@ -25,8 +25,9 @@ def _cast(graph: Graph, node: Optional[Node], dtype: torch.dtype) -> Optional[No
     return graph.call_method("to", (node, dtype))
 
 
-def replace_chain(graph: Graph, match: Match) -> Node:
-    """Replaces one matched chain by FUSED_OP; returns the node that now stands for the chain's output."""
+def replace_chain(graph: Graph, match: Match, replaced: dict[Node, Node]) -> Node:
+    """Replaces one matched chain by FUSED_OP; returns the node that now stands for the chain's output.
+    `replaced` maps the anchors of chains replaced earlier to their new nodes (a chain may feed another)."""
     linear, scale, bn = match.get("linear"), match.get("scale"), match.get("batch_norm")
     anchor = match.anchor
     result = meta_value(anchor)
@@ -35,13 +36,15 @@ def replace_chain(graph: Graph, match: Match) -> Node:
     scale_tensor = scale.scale if scale is not None and isinstance(scale.scale, Node) else None
     scale_value = scale.scale if scale is not None and scale_tensor is None else 1.0
 
+    def arg(node: Optional[Node], cast: bool = False) -> Optional[Node]:
+        node = replaced.get(node, node)
+        return _cast(graph, node, compute_dtype) if cast else node
+
     with graph.inserting_before(anchor):
         fused = graph.call_function(FUSED_OP, (
-            _cast(graph, linear.x, compute_dtype),
-            _cast(graph, linear.weight, compute_dtype),
-            _cast(graph, linear.bias, compute_dtype),
-            scale_tensor, float(scale_value),
-            bn.weight, bn.bias, bn.running_mean, bn.running_var,
+            arg(linear.x, cast=True), arg(linear.weight, cast=True), arg(linear.bias, cast=True),
+            arg(scale_tensor), float(scale_value),
+            arg(bn.weight), arg(bn.bias), arg(bn.running_mean), arg(bn.running_var),
             bn.training, bn.momentum, bn.eps,
             result.dtype,
             bool(result.requires_grad),  # keep the linear output for the backward only if one is needed
@@ -50,7 +53,7 @@ def replace_chain(graph: Graph, match: Match) -> Node:
         out.meta.update(anchor.meta)
         if bn.training and bn.running_mean is not None:
             for index, buffer in ((NEW_RUNNING_MEAN, bn.running_mean), (NEW_RUNNING_VAR, bn.running_var)):
-                graph.call_method("copy_", (buffer, graph.call_function(operator.getitem, (fused, index))))
+                graph.call_method("copy_", (arg(buffer), graph.call_function(operator.getitem, (fused, index))))
 
     anchor.replace_all_uses_with(out)
     for node in reversed(match.nodes):
@@ -61,8 +64,9 @@ def replace_chain(graph: Graph, match: Match) -> Node:
 def rewrite(gm: GraphModule) -> tuple[list[Match], list[Miss]]:
     """Rewrites every match in `gm` in place. Returns the matches (now replaced) and the misses."""
     matches, misses = find_chains(gm.graph)
+    replaced: dict[Node, Node] = {}
     for match in matches:
-        replace_chain(gm.graph, match)
+        replaced[match.anchor] = replace_chain(gm.graph, match, replaced)
     if matches:
         gm.graph.lint()
         gm.recompile()

@@ -1,0 +1,146 @@
+"""The fused operator: Triton kernels (under TRITON_INTERPRET=1 on CPU, natively on CUDA), the op's
+registration (opcheck: schema, fake, autograd), and its backward against eager autograd."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusepass.lowering.linear_scale_batch_norm as lowering
+from tests.chains import DEVICES, assert_no_further_from_float64
+
+OP = torch.ops.fusepass.linear_scale_batch_norm.default
+# Where the Triton launcher runs: natively on a GPU, else in Triton's interpreter on CPU tensors.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_case(n, k, f, *, scale="per_feature", affine=True, running=True, dtype=torch.float32,
+              device=KERNEL_DEVICE, requires_grad=False):
+    g = torch.Generator().manual_seed(n * 1000 + f)
+
+    def rand(*shape, shift=0.0, spread=1.0):
+        t = (torch.randn(shape, generator=g) * spread + shift).to(device, dtype)
+        return t.requires_grad_(requires_grad)
+
+    case = dict(
+        x=rand(n, k, shift=0.5, spread=2.0), weight=rand(f, k), bias=rand(f),
+        scale={"per_feature": rand(f, shift=1.0), "single": rand(1, shift=1.0), "zero_dim": rand(shift=1.0),
+               "number": None}[scale],
+        scale_value=1.3 if scale == "number" else 1.0,
+        bn_weight=rand(f, shift=1.0) if affine else None, bn_bias=rand(f) if affine else None,
+        running_mean=(torch.randn(f, generator=g) * 0.1).to(device, dtype) if running else None,
+        running_var=(torch.rand(f, generator=g) + 0.5).to(device, dtype) if running else None,
+    )
+    return case
+
+
+def kernel_args(case, training, out_dtype):
+    y = F.linear(case["x"], case["weight"], case["bias"])
+    return y, (case["scale"], case["scale_value"], case["bn_weight"], case["bn_bias"],
+               case["running_mean"], case["running_var"], training, 0.1, 1e-5, out_dtype)
+
+
+def reference_of(case, training, out_dtype):
+    return lowering.reference(*case.values(), training, 0.1, 1e-5, out_dtype, False)
+
+
+@pytest.mark.parametrize("n, k, f", [(37, 23, 19), (2, 5, 3), (130, 17, 67), (2100, 3, 5)])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("scale", ["per_feature", "single", "zero_dim", "number"])
+def test_kernels_match_reference(n, k, f, training, scale):
+    case = make_case(n, k, f, scale=scale)
+    y, args = kernel_args(case, training, torch.float32)
+    out, new_mean, new_var, mean, invstd = lowering.scale_batch_norm(y, *args)
+    ref_out, ref_new_mean, ref_new_var, _, ref_mean, ref_invstd = reference_of(case, training, torch.float32)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mean, ref_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(invstd, ref_invstd, rtol=1e-5, atol=0)
+    torch.testing.assert_close(new_mean, ref_new_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(new_var, ref_new_var, rtol=1e-5, atol=0)
+    assert new_mean.numel() == (f if training else 0)
+
+
+@pytest.mark.parametrize("affine, running", [(False, True), (True, False), (False, False)])
+def test_kernels_without_affine_or_running_stats(affine, running):
+    case = make_case(45, 11, 13, affine=affine, running=running)
+    y, args = kernel_args(case, True, torch.float32)
+    out, new_mean, new_var, _, _ = lowering.scale_batch_norm(y, *args)
+    ref_out, ref_new_mean, ref_new_var, *_ = reference_of(case, True, torch.float32)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new_var, ref_new_var, rtol=1e-5, atol=0)
+    assert new_mean.numel() == (13 if running else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernels_low_precision_input_fp32_statistics(dtype):
+    case = make_case(77, 9, 21, dtype=dtype)
+    y, args = kernel_args(case, True, dtype)
+    out, new_mean, new_var, mean, invstd = lowering.scale_batch_norm(y, *args)
+    ref_out, ref_new_mean, ref_new_var, _, ref_mean, ref_invstd = reference_of(case, True, dtype)
+    assert out.dtype == dtype and new_mean.dtype == dtype and mean.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out)  # default tolerances of the low-precision dtype
+    torch.testing.assert_close(invstd, ref_invstd, rtol=1e-5, atol=0)
+    torch.testing.assert_close(new_var, ref_new_var)
+
+
+def test_statistics_are_stable_for_large_means():
+    """Columns with mean 1e4 and std 1: E[z^2] - E[z]^2 in fp32 would lose every digit."""
+    n, f = 1000, 6
+    y = (torch.randn(n, f, dtype=torch.float64) + 1e4).float().to(KERNEL_DEVICE)
+    _, _, _, mean, invstd = lowering.scale_batch_norm(y, None, 1.0, None, None, None, None, True, 0.1, 1e-5,
+                                                      torch.float32)
+    exact_var = y.double().var(0, unbiased=False)
+    exact_invstd = 1.0 / torch.sqrt(exact_var + 1e-5)
+    assert torch.allclose(mean.double(), y.double().mean(0), rtol=4 * 2.0**-23, atol=0)  # a few fp32 ulps
+    assert torch.allclose(invstd.double(), exact_invstd, rtol=1e-4, atol=0)
+
+
+def test_nan_propagates_like_eager():
+    case = make_case(20, 5, 4)
+    y, args = kernel_args(case, True, torch.float32)
+    y[3, 1] = float("nan")
+    out, *_ = lowering.scale_batch_norm(y, *args)
+    assert torch.isnan(out[:, 1]).all() and torch.isfinite(out[:, [0, 2, 3]]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_of_one_in_training_raises_value_error(device):
+    case = make_case(1, 5, 4, device=device)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        OP(*case.values(), True, 0.1, 1e-5, torch.float32, False)
+    out, *_ = OP(*case.values(), False, 0.1, 1e-5, torch.float32, False)  # eval is fine
+    assert out.shape == (1, 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("scale", ["per_feature", "zero_dim", "number"])
+def test_opcheck(device, training, scale):
+    """Schema, fake implementation (incl. dynamic shapes under AOT), autograd registration."""
+    case = make_case(9, 6, 5, scale=scale, device=device, requires_grad=True)
+    torch.library.opcheck(OP, (*case.values(), training, 0.1, 1e-5, torch.float32, True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("scale", ["per_feature", "single", "number"])
+def test_backward_matches_eager_autograd(device, training, scale):
+    """The op's registered backward against eager autograd through the unfused chain, by float64."""
+    torch.manual_seed(0)
+    results = {}
+    for name, dtype in (("fused", torch.float32), ("eager", torch.float32), ("ref", torch.float64)):
+        case = make_case(48, 24, 40, scale=scale, dtype=dtype, device=device, requires_grad=True)
+        if name == "fused":
+            out = OP(*case.values(), training, 0.1, 1e-5, dtype, True)[0]
+        else:
+            z = F.linear(case["x"], case["weight"], case["bias"])
+            z = z * (case["scale"] if case["scale"] is not None else case["scale_value"])
+            out = F.batch_norm(z, case["running_mean"], case["running_var"], case["bn_weight"], case["bn_bias"],
+                               training, 0.1, 1e-5)
+        projection = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        (out.double() * projection.to(device)).sum().backward()
+        results[name] = (out, case)
+    (fused, fc), (eager, ec), (ref, rc) = results["fused"], results["eager"], results["ref"]
+    assert_no_further_from_float64("output", fused, eager, ref)
+    for key in ("x", "weight", "bias", "scale", "bn_weight", "bn_bias"):
+        if isinstance(rc[key], torch.Tensor):
+            assert_no_further_from_float64(f"grad {key}", fc[key].grad, ec[key].grad, rc[key].grad)

@@ -1,0 +1,64 @@
+"""fusepass.explain() and the debug dump of rewritten graphs."""
+
+import torch
+
+import fusepass
+from tests.chains import ChainModel, make_input
+from tests.test_pattern import SecondUser, TwoChains
+
+
+def test_explain_reports_each_match_and_leaves_the_model_alone():
+    model = ChainModel()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = fusepass.explain(model, make_input(8, 32))
+
+    [match] = report.matches
+    assert match["pattern"] == "linear_scale_batch_norm"
+    assert len(match["nodes"]) == 3 and match["training"] is True
+    assert match["shapes"] == {"x": (8, 32), "weight": (48, 32), "out": (8, 48)}
+    assert match["dtypes"] == {"x": "float32", "linear": "float32", "out": "float32"}
+    assert report.misses == []
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), f"explain() changed {key}"
+
+    text = str(report)
+    assert "1 rewrite(s), 0 miss(es)" in text and "linear_scale_batch_norm" in text and "(8, 32)" in text
+
+
+def test_explain_counts_two_chains_and_lists_misses_with_reasons():
+    assert len(fusepass.explain(TwoChains(), make_input(8, 32)).matches) == 2
+
+    report = fusepass.explain(SecondUser("linear"), make_input(8, 32))
+    assert report.matches == []
+    [miss] = report.misses
+    assert "other users" in miss["reason"]
+    assert "Misses:" in str(report) and "other users" in str(report)
+
+
+def test_explain_shows_autocast_dtypes():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        [match] = fusepass.explain(ChainModel(), make_input(8, 32)).matches
+    assert match["dtypes"] == {"x": "float32", "linear": "bfloat16", "out": "float32"}
+
+
+def _check_dump(directory):
+    before = sorted(directory.glob("graph_*_before.py"))
+    after = sorted(directory.glob("graph_*_after.py"))
+    reports = sorted(directory.glob("graph_*_report.txt"))
+    assert len(before) == len(after) == len(reports) == 1
+    assert "torch.nn.functional.batch_norm" in before[0].read_text()
+    after_code = after[0].read_text()
+    assert "torch.ops.fusepass.linear_scale_batch_norm.default" in after_code
+    assert "batch_norm(" not in after_code.replace("linear_scale_batch_norm", "")
+    assert "1 rewrite(s)" in reports[0].read_text()
+
+
+def test_debug_dir_option_writes_graphs_and_report(tmp_path):
+    torch.compile(ChainModel(), backend="fusepass", options={"debug_dir": str(tmp_path)})(make_input(8, 32))
+    _check_dump(tmp_path)
+
+
+def test_debug_dir_environment_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSEPASS_DEBUG_DIR", str(tmp_path))
+    torch.compile(ChainModel(), backend="fusepass")(make_input(8, 32))
+    _check_dump(tmp_path)

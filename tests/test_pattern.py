@@ -1,0 +1,156 @@
+"""The matcher and the rewrite on Dynamo graphs: ops before/after and exact match counts."""
+
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fusepass.pattern import find_chains
+from fusepass.rewrite import FUSED_OP, rewrite
+from tests.chains import ChainModel, make_input
+
+
+def dynamo_graphs(model, *inputs):
+    """The FX graphs Dynamo hands a backend for model(*inputs)."""
+    graphs = []
+
+    def capture(gm, _example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(model, backend=capture)(*inputs)
+    return graphs
+
+
+def single_graph(model, *inputs):
+    [gm] = dynamo_graphs(model, *inputs)
+    return gm
+
+
+def count_calls(gm, targets):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
+
+
+def count_methods(gm, name):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_method" and n.target == name)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"bias": False}, {"scale_first": True}, {"torch_mul": True}, {"scale": "single"},
+    {"scale": "zero_dim", "torch_mul": True, "scale_first": True}, {"scale": "number"},
+    {"affine": False}, {"track_running_stats": False},
+])
+@pytest.mark.parametrize("training", [True, False])
+def test_rewrite_replaces_the_chain(kwargs, training):
+    model = ChainModel(**kwargs).train(training)
+    gm = single_graph(model, make_input(8, 32))
+    assert count_calls(gm, (F.batch_norm,)) == 1
+
+    matches, misses = rewrite(gm)
+
+    assert [m.pattern for m in matches] == ["linear_scale_batch_norm"] and misses == []
+    assert count_calls(gm, (FUSED_OP,)) == 1
+    assert count_calls(gm, (torch._C._nn.linear, F.batch_norm, operator.mul, torch.mul)) == 0
+    updates_stats = model.bn.track_running_stats and training
+    assert count_methods(gm, "copy_") == (2 if updates_stats else 0)
+    # num_batches_tracked.add_ stays in the graph, untouched.
+    assert count_methods(gm, "add_") == (1 if updates_stats else 0)
+
+
+def test_python_number_and_tensor_scale_are_normalized():
+    gm = single_graph(ChainModel(scale="number"), make_input(8, 32))
+    [match], _ = find_chains(gm.graph)
+    assert match.get("scale").scale == pytest.approx(1.7)
+    gm = single_graph(ChainModel(scale="single", scale_first=True), make_input(8, 32))
+    [match], _ = find_chains(gm.graph)
+    assert match.get("scale").scale.op == "placeholder"
+    assert match.get("linear").bias is not None and match.get("batch_norm").training is True
+
+
+class TwoChains(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = ChainModel(), ChainModel(48, 16)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_two_chains_two_rewrites():
+    gm = single_graph(TwoChains(), make_input(8, 32))
+    matches, misses = rewrite(gm)
+    assert len(matches) == 2 and misses == []
+    assert count_calls(gm, (FUSED_OP,)) == 2
+
+
+class SecondUser(nn.Module):
+    """The linear output (or the scaled one) is also used elsewhere: fusing would lose it."""
+
+    def __init__(self, reuse):
+        super().__init__()
+        self.linear, self.bn, self.reuse = nn.Linear(32, 48), nn.BatchNorm1d(48), reuse
+        self.scale = nn.Parameter(torch.randn(48))
+
+    def forward(self, x):
+        y = self.linear(x)
+        z = y * self.scale
+        return self.bn(z) + (y if self.reuse == "linear" else z)
+
+
+@pytest.mark.parametrize("reuse, node", [("linear", "y"), ("scaled", "z")])
+def test_intermediate_with_second_user_is_left_alone(reuse, node):
+    gm = single_graph(SecondUser(reuse), make_input(8, 32))
+    before = gm.code
+    matches, [miss] = rewrite(gm)
+    assert matches == [] and gm.code == before
+    assert f"intermediate `{node}` has other users" in miss.reason
+
+
+class Between(nn.Module):
+    """Something other than a scale between linear and batch_norm."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.linear, self.bn, self.op = nn.Linear(32, 48), nn.BatchNorm1d(48), op
+
+    def forward(self, x):
+        y = self.linear(x)
+        if self.op == "relu":
+            return self.bn(torch.relu(y) * 2.0)
+        if self.op == "full_tensor_scale":
+            return self.bn(y * torch.ones_like(y))
+        return self.bn(y)  # bare linear -> batch_norm: the scale is required in this family
+
+
+@pytest.mark.parametrize("op, reason", [
+    ("relu", "expected linear, found `relu`"),
+    ("full_tensor_scale", "multiplies by something other than"),
+    ("none", "expected scale, found `y`"),
+])
+def test_chains_that_must_not_be_rewritten(op, reason):
+    gm = single_graph(Between(op), make_input(8, 32))
+    matches, [miss] = rewrite(gm)
+    assert matches == [] and count_calls(gm, (FUSED_OP,)) == 0
+    assert reason in miss.reason, miss.reason
+
+
+def test_unsupported_dtype_is_left_alone_with_reason():
+    gm = single_graph(ChainModel().double(), make_input(8, 32).double())
+    matches, [miss] = rewrite(gm)
+    assert matches == [] and "float64" in miss.reason
+
+
+def test_three_d_input_is_left_alone():
+    class ThreeD(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.bn = nn.Linear(32, 6), nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.bn(self.linear(x) * 2.0)
+
+    gm = single_graph(ThreeD(), torch.randn(3, 4, 32))
+    matches, [miss] = rewrite(gm)
+    assert matches == [] and "3-D" in miss.reason
