@@ -96,18 +96,23 @@ class Trio:
         """One forward + backward of all three on x, then the float64 comparison of everything."""
         ctx = (lambda: torch.autocast(x.device.type, dtype=autocast_dtype)) if autocast_dtype else nullcontext
         model_dtype = next(self.eager.parameters()).dtype
-        outs, projection = {}, None
+        outs, inputs, projection = {}, {}, None
         for name, fn, dtype, run_ctx in (("eager", self.eager, model_dtype, ctx),
                                          ("fused", self.compiled, model_dtype, ctx),
                                          ("ref", self.ref, torch.float64, nullcontext)):
+            # A copy per provider: each must get its own x.grad.
+            inputs[name] = x.detach().to(dtype, copy=True).requires_grad_(torch.is_grad_enabled())
             with run_ctx():
-                out = fn(x.to(dtype))
+                out = fn(inputs[name])
             if projection is None:  # a random upstream gradient, the same for all three
                 projection = torch.randn(out.shape, device=x.device, dtype=torch.float64)
             if out.requires_grad:
                 (out.double() * projection).sum().backward()
             outs[name] = out
         assert_no_further_from_float64("output", outs["fused"], outs["eager"], outs["ref"])
+        assert len({id(t) for t in inputs.values()}) == 3
+        if inputs["ref"].grad is not None:
+            assert_no_further_from_float64("grad x", inputs["fused"].grad, inputs["eager"].grad, inputs["ref"].grad)
         self._compare_state()
 
     def _compare_state(self) -> None:

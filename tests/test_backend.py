@@ -54,12 +54,13 @@ def test_low_precision_model(dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scale", ["per_feature", "zero_dim"])
-def test_autocast_bf16(scale, device):
-    """The linear runs in bf16 as in eager; the output dtype follows eager's promotion (fp32 for a
-    per-feature fp32 scale, bf16 for a 0-d one)."""
+@pytest.mark.parametrize("scale, dtype", [("per_feature", torch.bfloat16), ("zero_dim", torch.bfloat16),
+                                          ("per_feature", torch.float16)])
+def test_autocast(scale, dtype, device):
+    """The linear runs in the autocast dtype as in eager; the output dtype follows eager's promotion
+    (fp32 for a per-feature fp32 scale, the autocast dtype for a 0-d one)."""
     torch.manual_seed(2)
-    run_train_then_eval(ChainModel(scale=scale), device, autocast_dtype=torch.bfloat16)
+    run_train_then_eval(ChainModel(scale=scale), device, autocast_dtype=dtype)
     assert fusepass_stats() == {"graphs": 2, "rewrites": 2}
 
 
@@ -148,11 +149,13 @@ def test_mode_is_forwarded_to_inductor(monkeypatch):
     assert calls and calls[0]["max_autotune"] is True and calls[0]["coordinate_descent_tuning"] is True
 
 
-def test_reduce_overhead_mode_runs():
+@pytest.mark.parametrize("device", DEVICES)
+def test_reduce_overhead_mode_runs(device):
+    """On CUDA this captures the fused op in CUDA graphs."""
     torch.manual_seed(6)
-    trio = Trio.of(ChainModel(), mode="reduce-overhead")
-    for _ in range(2):
-        trio.step(make_input(8, 32))
+    trio = Trio.of(ChainModel().to(device), mode="reduce-overhead")
+    for _ in range(3):
+        trio.step(make_input(8, 32, device))
     assert fusepass_stats()["rewrites"] == 1
 
 
