@@ -9,23 +9,16 @@ of the model for eager and fusepass, in training and eval mode.
 
 import argparse
 import copy
-import importlib.util
 from pathlib import Path
 
 import torch
 from tabulate import tabulate
 
 import fusepass
+from fusepass.problems import load_problem, problem_sizes
 
 PROBLEMS = Path(__file__).parent / "problems"
 CPU_SIZE = (256, 512, 384)  # batch, in_features, out_features when shrunk
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, PROBLEMS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def rel_error(value, ref):
@@ -34,16 +27,15 @@ def rel_error(value, ref):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--problem", default="gemm_scale_batchnorm")
+    parser.add_argument("--problem", default="gemm_scale_batchnorm",
+                        help="a file name in demos/problems/, without .py")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
 
-    problem = load(args.problem)
-    init, batch = problem.get_init_inputs(), problem.get_inputs()[0].shape[0]
+    problem = load_problem(PROBLEMS / f"{args.problem}.py")
+    init, batch = problem_sizes(problem, CPU_SIZE if args.device == "cpu" else None)
     if args.device == "cpu":
-        batch, in_features, out_features = CPU_SIZE
-        init = [in_features, out_features, (out_features,), *init[3:]]
-        print(f"No GPU in use: {args.problem} shrunk to {batch} x {in_features} -> {out_features}.\n")
+        print(f"No GPU in use: {args.problem} shrunk to {batch} x {init[0]} -> {init[1]}.\n")
 
     torch.manual_seed(0)
     eager = problem.Model(*init).to(args.device)

@@ -26,7 +26,7 @@ def _value_summary(node: Any) -> str:
 
 def describe_match(match: Match, graph_index: int) -> dict[str, Any]:
     linear, bn = match.get("linear"), match.get("batch_norm")
-    first, last = match.nodes[0], match.anchor
+    first, last = match.nodes[0], match.last
     return {
         "graph": graph_index,
         "pattern": match.pattern,
@@ -40,7 +40,7 @@ def describe_match(match: Match, graph_index: int) -> dict[str, Any]:
 def describe_miss(miss: Miss, graph_index: int) -> dict[str, Any]:
     return {
         "graph": graph_index,
-        "anchor": miss.anchor.name,
+        "node": miss.node.name,
         "nodes": [n.name for n in miss.nodes],
         "reason": miss.reason,
     }
@@ -80,7 +80,7 @@ class Report:
             lines += ["", "Matches:", tabulate(rows, headers=["graph", "pattern", "nodes", "x @ W -> out",
                                                               "dtypes x/linear/out", "mode"])]
         if self.misses:
-            rows = [[m["graph"], m["anchor"], m["reason"]] for m in self.misses]
+            rows = [[m["graph"], m["node"], m["reason"]] for m in self.misses]
             lines += ["", "Misses:", tabulate(rows, headers=["graph", "node", "reason"], maxcolwidths=[None, None, 80])]
         return "\n".join(lines)
 

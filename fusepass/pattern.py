@@ -1,9 +1,10 @@
 """Which chains fusepass fuses, described declaratively, and the matcher that finds them.
 
-A chain family is a list of steps, each with a parser that recognises one FX node and normalizes its
-arguments once (into LinearArgs, ScaleArgs, BatchNormArgs). The matcher anchors on the family's
-anchor step (batch_norm, the rare op) and walks back through the head steps; every anchor it cannot
-fuse becomes a Miss with the reason, so `explain()` can show near-matches.
+The family is `linear -> [mul by s1] -> batch_norm -> [mul by s2] -> [softmax over the features]`:
+a list of steps, each with a parser that recognises one FX node and normalizes its arguments once
+(into LinearArgs, ScaleArgs, BatchNormArgs, SoftmaxArgs). The matcher anchors on batch_norm (the rare
+op), walks back through the head steps and forward through the tail steps; every anchor it cannot
+fuse, and every tail step it had to leave out, becomes a Miss with the reason for `explain()`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ SUPPORTED_DEVICES = ("cpu", "cuda")
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
 MUL_TARGETS = (operator.mul, torch.mul, torch.Tensor.mul)
 BATCH_NORM_TARGETS = (F.batch_norm,)
+SOFTMAX_TARGETS = (F.softmax, torch.softmax, torch.Tensor.softmax)
 
 
 class NoMatch(Exception):
@@ -53,6 +55,11 @@ class BatchNormArgs:
     training: bool
     momentum: float
     eps: float
+
+
+@dataclass(frozen=True)
+class SoftmaxArgs:
+    dtype: Optional[torch.dtype]  # softmax's dtype= argument; the op takes eager's result dtype anyway
 
 
 def meta_value(node: Any) -> Any:
@@ -168,12 +175,25 @@ def parse_batch_norm(node: Node) -> list[tuple[BatchNormArgs, Optional[Node]]]:
     return [(bn, args["input"])]
 
 
+def parse_softmax(node: Node) -> list[tuple[SoftmaxArgs, Optional[Node]]]:
+    names = ("input", "dim", "_stacklevel", "dtype") if node.target is F.softmax else ("input", "dim", "dtype")
+    args = _bind(node, names, {"dim": None, "_stacklevel": 3, "dtype": None})
+    _check_tensor(args["input"], "softmax input", ndim=2)
+    # dim=None on 2-D input is F.softmax's implicit dim 1.
+    if args["dim"] not in (1, -1, None):
+        raise NoMatch(f"`{node.name}`: softmax over dim {args['dim']}; only the last (feature) dim is fused")
+    if args["dtype"] is not None and args["dtype"] not in SUPPORTED_DTYPES:
+        raise NoMatch(f"`{node.name}`: softmax dtype {args['dtype']} is not fused")
+    return [(SoftmaxArgs(args["dtype"]), args["input"])]
+
+
 # --------------------------------------------------------------------------- chain families
 
 
 @dataclass(frozen=True)
 class Step:
-    name: str
+    key: str  # unique within a family: where Match.args keeps this step's arguments
+    name: str  # how a pattern name spells the step (both scale steps are "scale")
     targets: tuple  # the callables (or Tensor methods) this step's node may call
     parse: Callable[[Node], list[tuple[Any, Optional[Node]]]]
     optional: bool = False
@@ -184,20 +204,24 @@ class Step:
         return self.parse(node)
 
 
-LINEAR = Step("linear", LINEAR_TARGETS, parse_linear)
-SCALE = Step("scale", MUL_TARGETS, parse_scale)
-BATCH_NORM = Step("batch_norm", BATCH_NORM_TARGETS, parse_batch_norm)
+LINEAR = Step("linear", "linear", LINEAR_TARGETS, parse_linear)
+SCALE_BEFORE = Step("scale_before", "scale", MUL_TARGETS, parse_scale, optional=True)
+BATCH_NORM = Step("batch_norm", "batch_norm", BATCH_NORM_TARGETS, parse_batch_norm)
+SCALE_AFTER = Step("scale_after", "scale", MUL_TARGETS, parse_scale, optional=True)
+SOFTMAX = Step("softmax", "softmax", SOFTMAX_TARGETS, parse_softmax, optional=True)
 
 
 @dataclass(frozen=True)
 class ChainFamily:
-    """Steps in data-flow order: `head` feeds `anchor`. Optional steps may be absent."""
+    """Steps in data-flow order: `head` feeds `anchor`, which feeds `tail`. Optional steps may be
+    absent; the tail's steps are all optional, the chain simply ends earlier."""
 
     head: tuple[Step, ...]
     anchor: Step
+    tail: tuple[Step, ...] = ()
 
 
-LINEAR_BATCH_NORM_FAMILY = ChainFamily(head=(LINEAR, SCALE), anchor=BATCH_NORM)
+LINEAR_BATCH_NORM_FAMILY = ChainFamily(head=(LINEAR, SCALE_BEFORE), anchor=BATCH_NORM, tail=(SCALE_AFTER, SOFTMAX))
 FAMILIES = (LINEAR_BATCH_NORM_FAMILY,)
 
 
@@ -206,25 +230,27 @@ class Match:
     """A chain to replace: `nodes` in data-flow order and each matched step's normalized arguments."""
 
     nodes: tuple[Node, ...]
-    args: dict[str, Any]  # step name -> LinearArgs / ScaleArgs / BatchNormArgs
+    steps: tuple[Step, ...]
+    args: dict[str, Any]  # step key -> LinearArgs / ScaleArgs / BatchNormArgs / SoftmaxArgs
 
     @property
     def pattern(self) -> str:
-        return "_".join(self.args)
+        return "_".join(step.name for step in self.steps)
 
     @property
-    def anchor(self) -> Node:
+    def last(self) -> Node:
+        """The node whose value the fused op replaces."""
         return self.nodes[-1]
 
-    def get(self, step: str) -> Any:
-        return self.args.get(step)
+    def get(self, key: str) -> Any:
+        return self.args.get(key)
 
 
 @dataclass
 class Miss:
-    """An anchor node that was left alone, and why."""
+    """A node that was not fused (a batch_norm, or a tail step left out), and why."""
 
-    anchor: Node
+    node: Node
     reason: str
     nodes: tuple[Node, ...] = field(default_factory=tuple)
 
@@ -267,7 +293,32 @@ def _match_head(steps: tuple[Step, ...], node: Node, matched: tuple) -> Union[li
     return max(failures, key=lambda f: f.depth)
 
 
-def _match_anchor(family: ChainFamily, anchor: Node) -> Union[Match, _Failure]:
+def _match_tail(steps: tuple[Step, ...], node: Node) -> tuple[list, list[Miss]]:
+    """Extends a chain ending at `node` forward through the optional `steps`, as far as it can.
+    Returns the (step, node, args) taken and a Miss for each step that was there but left out."""
+    taken, left_out = [], []
+    for step in steps:
+        users = [u for u in node.users if _is_call(u, step.targets)]
+        if not users:
+            continue
+        if len(node.users) != 1:
+            left_out.append(Miss(users[0], f"not fused after `{node.name}`: it has other users", (node,)))
+            break
+        try:
+            fits = [args for args, chain_input in step.interpretations(users[0]) if chain_input is node]
+        except NoMatch as exc:
+            fits, reason = [], str(exc)
+        else:
+            reason = f"`{users[0].name}` does not take `{node.name}` as a {step.name} step"
+        if not fits:
+            left_out.append(Miss(users[0], reason, (node, users[0])))
+            break
+        taken.append((step, users[0], fits[0]))
+        node = users[0]
+    return taken, left_out
+
+
+def _match_anchor(family: ChainFamily, anchor: Node) -> Union[tuple[Match, list[Miss]], _Failure]:
     try:
         [(anchor_args, chain_input)] = family.anchor.interpretations(anchor)
     except NoMatch as exc:
@@ -275,8 +326,11 @@ def _match_anchor(family: ChainFamily, anchor: Node) -> Union[Match, _Failure]:
     head = _match_head(family.head, chain_input, (anchor,))
     if isinstance(head, _Failure):
         return head
-    steps = [*head, (family.anchor, anchor, anchor_args)]
-    return Match(nodes=tuple(n for _, n, _ in steps), args={s.name: a for s, _, a in steps})
+    tail, left_out = _match_tail(family.tail, anchor)
+    steps = [*head, (family.anchor, anchor, anchor_args), *tail]
+    match = Match(nodes=tuple(n for _, n, _ in steps), steps=tuple(s for s, _, _ in steps),
+                  args={s.key: a for s, _, a in steps})
+    return match, left_out
 
 
 def find_chains(graph: Graph, families: tuple[ChainFamily, ...] = FAMILIES) -> tuple[list[Match], list[Miss]]:
@@ -284,10 +338,12 @@ def find_chains(graph: Graph, families: tuple[ChainFamily, ...] = FAMILIES) -> t
     matches, misses = [], []
     for node in graph.nodes:
         results = [_match_anchor(f, node) for f in families if _is_call(node, f.anchor.targets)]
-        found = [r for r in results if isinstance(r, Match)]
+        found = [r for r in results if not isinstance(r, _Failure)]
         if found:
-            matches.append(max(found, key=lambda m: len(m.nodes)))
+            match, left_out = max(found, key=lambda r: len(r[0].nodes))
+            matches.append(match)
+            misses += left_out
         elif results:
             deepest = max(results, key=lambda f: f.depth)
-            misses.append(Miss(anchor=node, reason=deepest.reason, nodes=deepest.nodes))
+            misses.append(Miss(node, deepest.reason, deepest.nodes))
     return matches, misses

@@ -10,7 +10,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from fusepass.lowering import linear_scale_batch_norm  # noqa: F401  (registers the op)
-from fusepass.pattern import Match, Miss, find_chains, meta_value
+from fusepass.pattern import Match, Miss, ScaleArgs, find_chains, meta_value
 
 FUSED_OP = torch.ops.fusepass.linear_scale_batch_norm.default
 # Outputs of FUSED_OP, by position.
@@ -25,37 +25,48 @@ def _cast(graph: Graph, node: Optional[Node], dtype: torch.dtype) -> Optional[No
     return graph.call_method("to", (node, dtype))
 
 
+def _scale_args(scale: Optional[ScaleArgs]) -> tuple[Optional[Node], float]:
+    """(tensor, number) for the op: a tensor scale, or a Python number (1.0 when the step is absent)."""
+    if scale is None:
+        return None, 1.0
+    if isinstance(scale.scale, Node):
+        return scale.scale, 1.0
+    return None, float(scale.scale)
+
+
 def replace_chain(graph: Graph, match: Match, replaced: dict[Node, Node]) -> Node:
     """Replaces one matched chain by FUSED_OP; returns the node that now stands for the chain's output.
-    `replaced` maps the anchors of chains replaced earlier to their new nodes (a chain may feed another)."""
-    linear, scale, bn = match.get("linear"), match.get("scale"), match.get("batch_norm")
-    anchor = match.anchor
-    result = meta_value(anchor)
+    `replaced` maps the last nodes of chains replaced earlier to their new nodes (a chain may feed another)."""
+    linear, bn = match.get("linear"), match.get("batch_norm")
+    last = match.last
+    result = meta_value(last)
     # Under autocast the linear runs in a lower precision than its inputs: the op sees that dtype.
     compute_dtype = meta_value(match.nodes[0]).dtype
-    scale_tensor = scale.scale if scale is not None and isinstance(scale.scale, Node) else None
-    scale_value = scale.scale if scale is not None and scale_tensor is None else 1.0
+    scale_before, scale_before_value = _scale_args(match.get("scale_before"))
+    scale_after, scale_after_value = _scale_args(match.get("scale_after"))
 
     def arg(node: Optional[Node], cast: bool = False) -> Optional[Node]:
         node = replaced.get(node, node)
         return _cast(graph, node, compute_dtype) if cast else node
 
-    with graph.inserting_before(anchor):
+    with graph.inserting_before(last):
         fused = graph.call_function(FUSED_OP, (
             arg(linear.x, cast=True), arg(linear.weight, cast=True), arg(linear.bias, cast=True),
-            arg(scale_tensor), float(scale_value),
+            arg(scale_before), scale_before_value,
             arg(bn.weight), arg(bn.bias), arg(bn.running_mean), arg(bn.running_var),
             bn.training, bn.momentum, bn.eps,
             result.dtype,
             bool(result.requires_grad),  # keep the linear output for the backward only if one is needed
+            arg(scale_after), scale_after_value,
+            match.get("softmax") is not None,
         ))
         out = graph.call_function(operator.getitem, (fused, OUT))
-        out.meta.update(anchor.meta)
+        out.meta.update(last.meta)
         if bn.training and bn.running_mean is not None:
             for index, buffer in ((NEW_RUNNING_MEAN, bn.running_mean), (NEW_RUNNING_VAR, bn.running_var)):
                 graph.call_method("copy_", (arg(buffer), graph.call_function(operator.getitem, (fused, index))))
 
-    anchor.replace_all_uses_with(out)
+    last.replace_all_uses_with(out)
     for node in reversed(match.nodes):
         graph.erase_node(node)
     return out
@@ -66,7 +77,7 @@ def rewrite(gm: GraphModule) -> tuple[list[Match], list[Miss]]:
     matches, misses = find_chains(gm.graph)
     replaced: dict[Node, Node] = {}
     for match in matches:
-        replaced[match.anchor] = replace_chain(gm.graph, match, replaced)
+        replaced[match.last] = replace_chain(gm.graph, match, replaced)
     if matches:
         gm.graph.lint()
         gm.recompile()

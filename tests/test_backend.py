@@ -33,6 +33,7 @@ def run_train_then_eval(model, device, *, steps=3, batch=64, autocast_dtype=None
         trio.train(training)
         for _ in range(steps if training else 1):
             trio.step(make_input(batch, model.linear.in_features, device), autocast_dtype=autocast_dtype)
+    trio.finish()
     return trio
 
 
@@ -42,6 +43,42 @@ def test_variants_match_eager_by_float64_criterion(variant, device):
     torch.manual_seed(0)
     run_train_then_eval(ChainModel(**VARIANTS[variant]), device)
     # One graph for training, one for eval, each with exactly one rewrite.
+    assert fusepass_stats() == {"graphs": 2, "rewrites": 2}
+
+
+FAMILY_VARIANTS = {
+    "bare": {"scale": None},
+    "scale_after": {"scale": None, "scale_after": "single", "scale_first": True},
+    "scale_softmax_module": {"scale": None, "scale_after": "single", "softmax": "module"},
+    "all_steps": {"scale_after": "per_feature", "softmax": "functional"},
+    "softmax_dtype_number_scale": {"scale": "zero_dim", "scale_after": "number", "softmax": "dtype"},
+    "softmax_plain_batch_norm": {"scale": None, "softmax": "method", "affine": False,
+                                 "track_running_stats": False},
+    "softmax_dim0_left_out": {"scale_after": "per_feature", "softmax": "dim0"},
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", FAMILY_VARIANTS)
+def test_family_members_match_eager_by_float64_criterion(variant, device):
+    torch.manual_seed(10)
+    run_train_then_eval(ChainModel(**FAMILY_VARIANTS[variant]), device)
+    assert fusepass_stats() == {"graphs": 2, "rewrites": 2}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_softmax_chain(dtype, device):
+    torch.manual_seed(11)
+    run_train_then_eval(ChainModel(scale=None, scale_after="single", softmax="module").to(dtype), device)
+    assert fusepass_stats() == {"graphs": 2, "rewrites": 2}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_softmax_chain(device):
+    torch.manual_seed(12)
+    run_train_then_eval(ChainModel(scale=None, scale_after="single", softmax="module"), device,
+                        autocast_dtype=torch.bfloat16)
     assert fusepass_stats() == {"graphs": 2, "rewrites": 2}
 
 
@@ -71,6 +108,7 @@ def test_changing_batch_size(device):
     trio = Trio.of(ChainModel().to(device))
     for batch in (8, 13, 5, 21):
         trio.step(make_input(batch, 32, device))
+    trio.finish()
     assert fusepass_stats() == {"graphs": 2, "rewrites": 2}
 
 
@@ -86,6 +124,7 @@ def test_momentum_none_is_correct_and_fused_only_without_graph_break():
     trio = Trio.of(ChainModel(momentum=None))
     trio.train(False)
     trio.step(make_input(16, 32))
+    trio.finish()
     assert fusepass_stats()["rewrites"] == 1
 
 
@@ -96,6 +135,7 @@ def test_no_grad_inference_keeps_no_linear_output():
     trio.train(False)
     with torch.no_grad():
         trio.step(make_input(9, 32))
+    trio.finish()
     assert fusepass_stats() == {"graphs": 1, "rewrites": 1}
 
 
@@ -156,6 +196,7 @@ def test_reduce_overhead_mode_runs(device):
     trio = Trio.of(ChainModel().to(device), mode="reduce-overhead")
     for _ in range(3):
         trio.step(make_input(8, 32, device))
+    trio.finish()
     assert fusepass_stats()["rewrites"] == 1
 
 
@@ -190,6 +231,7 @@ def test_failed_rewrite_falls_back_with_one_warning(monkeypatch, fallback):
         trio = Trio.of(ChainModel(), options={"fallback": fallback})
         for _ in range(2):
             trio.step(make_input(8, 32))
+        trio.finish()
     fallback_warnings = [w for w in caught if issubclass(w.category, FusepassFallbackWarning)]
     assert len(fallback_warnings) == 1
     assert "simulated rewrite failure" in str(fallback_warnings[0].message)
@@ -210,6 +252,7 @@ def test_fused_op_failing_at_first_call_falls_back_without_double_update(monkeyp
         trio = Trio.of(ChainModel())
         for _ in range(2):
             trio.step(make_input(8, 32))
+        trio.finish()
     messages = [str(w.message) for w in caught if issubclass(w.category, FusepassFallbackWarning)]
     assert len(messages) == 1 and "simulated kernel failure" in messages[0]
     assert torch.equal(trio.fused.bn.num_batches_tracked, trio.eager.bn.num_batches_tracked)

@@ -62,10 +62,10 @@ def test_rewrite_replaces_the_chain(kwargs, training):
 def test_python_number_and_tensor_scale_are_normalized():
     gm = single_graph(ChainModel(scale="number"), make_input(8, 32))
     [match], _ = find_chains(gm.graph)
-    assert match.get("scale").scale == pytest.approx(1.7)
+    assert match.get("scale_before").scale == pytest.approx(1.7)
     gm = single_graph(ChainModel(scale="single", scale_first=True), make_input(8, 32))
     [match], _ = find_chains(gm.graph)
-    assert match.get("scale").scale.op == "placeholder"
+    assert match.get("scale_before").scale.op == "placeholder"
     assert match.get("linear").bias is not None and match.get("batch_norm").training is True
 
 
@@ -119,15 +119,12 @@ class Between(nn.Module):
         y = self.linear(x)
         if self.op == "relu":
             return self.bn(torch.relu(y) * 2.0)
-        if self.op == "full_tensor_scale":
-            return self.bn(y * torch.ones_like(y))
-        return self.bn(y)  # bare linear -> batch_norm: the scale is required in this family
+        return self.bn(y * torch.ones_like(y))  # "full_tensor_scale"
 
 
 @pytest.mark.parametrize("op, reason", [
     ("relu", "expected linear, found `relu`"),
     ("full_tensor_scale", "multiplies by something other than"),
-    ("none", "expected scale, found `y`"),
 ])
 def test_chains_that_must_not_be_rewritten(op, reason):
     gm = single_graph(Between(op), make_input(8, 32))
@@ -154,3 +151,68 @@ def test_three_d_input_is_left_alone():
     gm = single_graph(ThreeD(), torch.randn(3, 4, 32))
     matches, [miss] = rewrite(gm)
     assert matches == [] and "3-D" in miss.reason
+
+
+# --------------------------------------------------------------------------- the whole family
+
+MEMBERS = {
+    "linear_batch_norm": dict(scale=None),
+    "linear_scale_batch_norm": dict(),
+    "linear_batch_norm_scale": dict(scale=None, scale_after="single"),
+    "linear_batch_norm_softmax": dict(scale=None, softmax="module"),
+    "linear_batch_norm_scale_softmax": dict(scale=None, scale_after="single", softmax="module"),
+    "linear_scale_batch_norm_scale": dict(scale_after="per_feature"),
+    "linear_scale_batch_norm_softmax": dict(scale="number", softmax="functional"),
+    "linear_scale_batch_norm_scale_softmax": dict(scale="zero_dim", scale_after="number", softmax="method"),
+}
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("member", MEMBERS)
+def test_every_family_member_becomes_one_fused_op(member, training):
+    gm = single_graph(ChainModel(**MEMBERS[member]).train(training), make_input(8, 32))
+    matches, misses = rewrite(gm)
+    assert [m.pattern for m in matches] == [member] and misses == []
+    assert count_calls(gm, (FUSED_OP,)) == 1
+    leftovers = (torch._C._nn.linear, F.batch_norm, operator.mul, torch.mul, F.softmax, torch.softmax)
+    assert count_calls(gm, leftovers) == 0 and count_methods(gm, "softmax") == 0
+    [fused] = [n for n in gm.graph.nodes if n.target is FUSED_OP]
+    assert fused.args[-1] is ("softmax" in member)
+
+
+@pytest.mark.parametrize("spelling", ["module", "functional", "torch", "method", "dtype"])
+def test_softmax_spellings(spelling):
+    gm = single_graph(ChainModel(scale=None, scale_after="single", softmax=spelling), make_input(8, 32))
+    [match], misses = rewrite(gm)
+    assert match.pattern == "linear_batch_norm_scale_softmax" and misses == []
+
+
+def test_softmax_over_batch_dim_is_left_out_with_reason():
+    gm = single_graph(ChainModel(scale=None, scale_after="single", softmax="dim0"), make_input(8, 32))
+    [match], [miss] = rewrite(gm)
+    assert match.pattern == "linear_batch_norm_scale"
+    assert "softmax over dim 0" in miss.reason
+    assert count_calls(gm, (F.softmax,)) == 1 and count_calls(gm, (FUSED_OP,)) == 1
+
+
+class TailWithSecondUser(nn.Module):
+    """An intermediate of the tail is used twice: the chain stops before it is consumed."""
+
+    def __init__(self, reused):
+        super().__init__()
+        self.linear, self.bn, self.reused = nn.Linear(32, 48), nn.BatchNorm1d(48), reused
+        self.scale = nn.Parameter(torch.randn(1))
+
+    def forward(self, x):
+        b = self.bn(self.linear(x))
+        u = b * self.scale
+        extra = b if self.reused == "batch_norm" else u
+        return torch.softmax(u, dim=1) + extra
+
+
+@pytest.mark.parametrize("reused, pattern", [("batch_norm", "linear_batch_norm"),
+                                             ("scaled", "linear_batch_norm_scale")])
+def test_tail_stops_at_an_intermediate_with_another_user(reused, pattern):
+    gm = single_graph(TailWithSecondUser(reused), make_input(8, 32))
+    [match], [miss] = rewrite(gm)
+    assert match.pattern == pattern and "other users" in miss.reason

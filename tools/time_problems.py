@@ -1,30 +1,24 @@
-"""Times eager, Inductor and fusepass on the linear -> scale -> BatchNorm1d reference problems (GPU).
+"""Times eager, Inductor and fusepass on the reference problems (GPU).
 
 Forward in training and eval mode, fp32 and bf16 autocast; triton.testing.do_bench medians (it
 flushes L2 between runs). A development measurement until the benchmark CLI exists."""
 
 import copy
-import importlib.util
 from pathlib import Path
 
 import torch
 import triton
 from tabulate import tabulate
 
+from fusepass.problems import load_problem
+
 PROBLEMS = Path(__file__).parent.parent / "demos" / "problems"
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, PROBLEMS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main():
     rows = []
-    for name in ("gemm_scale_batchnorm", "gemm_scale_batchnorm_1024"):
-        problem = load(name)
+    for name in ("gemm_scale_batchnorm", "gemm_scale_batchnorm_1024", "gemm_batchnorm_scale_softmax"):
+        problem = load_problem(PROBLEMS / f"{name}.py")
         torch.manual_seed(0)
         base = problem.Model(*problem.get_init_inputs()).cuda()
         x = problem.get_inputs()[0].cuda()

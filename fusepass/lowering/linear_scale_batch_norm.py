@@ -1,14 +1,14 @@
-"""The fused operator ``torch.ops.fusepass.linear_scale_batch_norm``.
+"""The fused operator ``torch.ops.fusepass.linear_scale_batch_norm``: the whole chain family
+``linear -> [* s1] -> batch_norm -> [* s2] -> [softmax over features]`` on 2-D input, exactly as eager:
 
-It computes, exactly as eager PyTorch does for ``F.batch_norm(F.linear(x, W, b) * s, ...)`` on 2-D input:
+    y   = linear(x, W, b)                        # in x's dtype, like eager
+    z   = y * s1                                 # s1: per-feature, (1,), 0-d tensor or a Python number
+    u   = ((z - mean) * invstd * gamma + beta) * s2   # batch statistics (training) or running ones (eval)
+    out = softmax(u, dim=-1)  or  u              # max-subtracted, fp32
 
-    y   = linear(x, W, b)                       # in x's dtype, like eager
-    z   = y * s                                 # s: per-feature, (1,), 0-d tensor or a Python number
-    out = (z - mean) * invstd * gamma + beta    # batch statistics (training) or running statistics (eval)
-
-In training it also returns the updated running statistics (momentum update, unbiased variance); the
-rewritten graph copies them into the module's buffers, because an op that mutates its inputs cannot
-carry an autograd formula.
+An absent scale is the number 1.0. In training the op also returns the updated running statistics
+(momentum update, unbiased variance); the rewritten graph copies them into the module's buffers,
+because an op that mutates its inputs cannot carry an autograd formula.
 
 Contents, in order: the plain-PyTorch reference (also the CPU implementation), the Triton kernels, the
 launcher that runs them on a linear output, the op registration with its fake and autograd formulas.
@@ -57,25 +57,38 @@ def reference(
     eps: float,
     out_dtype: torch.dtype,
     keep_linear: bool,
+    scale_after: Optional[Tensor] = None,
+    scale_after_value: float = 1.0,
+    softmax: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The op's math in plain PyTorch, fp32 statistics. Returns the op's six outputs."""
+    """The op's math in plain PyTorch, fp32 throughout. Returns the op's six outputs."""
     check_batch_size(training, x)
     y = F.linear(x, weight, bias)
-    z = y.float() * (scale.float() if scale is not None else scale_value)
+    z = y.float() * _as_factor(scale, scale_value)
     if training:
         var, mean = torch.var_mean(z, dim=0, correction=0)
     else:
         # Copies: an op's outputs must not alias its inputs.
         mean, var = running_mean.to(torch.float32, copy=True), running_var.to(torch.float32, copy=True)
     invstd = 1.0 / torch.sqrt(var + eps)
-    out = (z - mean) * invstd
-    if bn_weight is not None:
-        out = out * bn_weight.float()
-    if bn_bias is not None:
-        out = out + bn_bias.float()
+    out = _affine((z - mean) * invstd, bn_weight, bn_bias) * _as_factor(scale_after, scale_after_value)
+    if softmax:
+        out = torch.softmax(out, dim=-1)
     new_mean, new_var = _updated_running_stats(z.shape[0], mean, var, running_mean, running_var, training, momentum)
     linear_out = y if keep_linear else y.new_empty(0)
     return out.to(out_dtype), new_mean, new_var, linear_out, mean, invstd
+
+
+def _as_factor(scale: Optional[Tensor], value: float):
+    return scale.float() if scale is not None else value
+
+
+def _affine(x_hat: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
+    if weight is not None:
+        x_hat = x_hat * weight.float()
+    if bias is not None:
+        x_hat = x_hat + bias.float()
+    return x_hat
 
 
 def _updated_running_stats(n, mean, var, running_mean, running_var, training, momentum):
@@ -202,43 +215,102 @@ def _finalize_stats_kernel(
 
 
 @triton.jit
+def _normalized_tile(
+    y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+    rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value, scale_after_value,
+    SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+):
+    """u = ((y * s1 - mean) * invstd * gamma + beta) * s2 for one tile, in fp32."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    s = _load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
+    mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
+    invstd = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
+    y = tl.load(y_ptr + rows[:, None] * stride_yr + cols[None, :] * stride_yc, mask=mask, other=0.0)
+    u = (y.to(tl.float32) * s[None, :] - mean[None, :]) * invstd[None, :]
+    if HAS_GAMMA:
+        u = u * tl.load(gamma_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BETA:
+        u = u + tl.load(beta_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    s2 = _load_scale(scale_after_ptr, scale_after_value, cols, col_mask, SCALE_AFTER_MODE)
+    return u * s2[None, :]
+
+
+@triton.jit
 def _normalize_kernel(
     # pointers
-    y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, out_ptr,
+    y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr, out_ptr,
     # sizes
     n_rows, n_cols,
     # strides
     stride_yr, stride_yc, stride_or, stride_oc,
     # scalars
-    scale_value,
+    scale_value, scale_after_value,
     # meta-parameters
-    SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """out = (y * s - mean) * invstd * gamma + beta, in fp32, stored in out's dtype."""
+    """out = ((y * s1 - mean) * invstd * gamma + beta) * s2, stored in out's dtype."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < n_rows
     col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
-
-    s = _load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
-    mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
-    invstd = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
-    y = tl.load(y_ptr + rows[:, None] * stride_yr + cols[None, :] * stride_yc, mask=mask, other=0.0)
-    out = (y.to(tl.float32) * s[None, :] - mean[None, :]) * invstd[None, :]
-    if HAS_GAMMA:
-        out = out * tl.load(gamma_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_BETA:
-        out = out + tl.load(beta_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    u = _normalized_tile(y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+                         rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value, scale_after_value,
+                         SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA)
     tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+             u.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _normalize_softmax_kernel(
+    # pointers
+    y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr, out_ptr,
+    # sizes
+    n_rows, n_cols,
+    # strides
+    stride_yr, stride_yc, stride_or, stride_oc,
+    # scalars
+    scale_value, scale_after_value,
+    # meta-parameters
+    SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """out = softmax(u, dim=-1) for BLOCK_R whole rows of any length: an online max/sum sweep over
+    the columns, then a sweep that writes exp(u - max) / sum. fp32 throughout."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < n_rows
+    row_max = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    row_sum = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        col_mask = cols < n_cols
+        u = _normalized_tile(y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+                             rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value, scale_after_value,
+                             SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA)
+        u = tl.where(col_mask[None, :], u, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(u, axis=1))
+        # While a row has seen only -inf, subtract 0 instead of -inf so that no -inf - -inf NaN appears
+        # (a row that is -inf throughout still ends 0 / 0 = NaN, as in eager).
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(u - shift[:, None]), axis=1)
+        row_max = new_max
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    for c0 in range(0, n_cols, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        col_mask = cols < n_cols
+        u = _normalized_tile(y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+                             rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value, scale_after_value,
+                             SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA)
+        p = tl.exp(u - shift[:, None]) / row_sum[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
+                 p.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 # --------------------------------------------------------------------------- launcher
 
 STATS_BLOCK_R, STATS_BLOCK_C = 32, 64
 NORM_BLOCK_R, NORM_BLOCK_C = 32, 64
+SOFTMAX_BLOCK_R, SOFTMAX_MAX_BLOCK_C = 4, 1024
 FINALIZE_BLOCK_C = 128
 # Rows each statistics program covers: enough strips to fill a GPU, few enough to keep partials small.
 TARGET_ROW_STRIPS = 64
@@ -262,18 +334,49 @@ def scale_batch_norm(
     momentum: float,
     eps: float,
     out_dtype: torch.dtype,
+    scale_after: Optional[Tensor] = None,
+    scale_after_value: float = 1.0,
+    softmax: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Runs the Triton kernels on a linear output y of shape (N, F).
 
-    Returns (out, new_running_mean, new_running_var, mean, invstd). Two passes over y in training
-    (statistics, then normalization), one in eval; the merge in between touches only F-sized vectors.
+    Returns (out, new_running_mean, new_running_var, mean, invstd). Training: one statistics pass over
+    y, a merge over F-sized vectors, then one output pass (elementwise, or row-wise with the softmax).
+    Eval: the output pass only.
     """
     n_rows, n_cols = y.shape
     if not training and running_mean is None:
         raise ValueError("batch_norm in eval mode needs running statistics")
     check_batch_size(training, y)
-    update_running = training and running_mean is not None
+    mean, invstd, new_mean, new_var = _statistics(y, scale, scale_value, running_mean, running_var,
+                                                  training, momentum, eps)
 
+    out = torch.empty((n_rows, n_cols), device=y.device, dtype=out_dtype)
+    placeholder = mean  # passed for absent optional tensors; the kernels never read it
+    args = (
+        y, scale if scale is not None else placeholder, mean, invstd,
+        bn_weight if bn_weight is not None else placeholder, bn_bias if bn_bias is not None else placeholder,
+        scale_after if scale_after is not None else placeholder, out,
+        n_rows, n_cols,
+        y.stride(0), y.stride(1), out.stride(0), out.stride(1),
+        scale_value, scale_after_value,
+    )
+    meta = dict(SCALE_MODE=_scale_mode(scale), SCALE_AFTER_MODE=_scale_mode(scale_after),
+                HAS_GAMMA=bn_weight is not None, HAS_BETA=bn_bias is not None)
+    if softmax:
+        block_c = min(SOFTMAX_MAX_BLOCK_C, triton.next_power_of_2(n_cols))
+        _normalize_softmax_kernel[(triton.cdiv(n_rows, SOFTMAX_BLOCK_R),)](
+            *args, **meta, BLOCK_R=SOFTMAX_BLOCK_R, BLOCK_C=block_c)
+    else:
+        _normalize_kernel[(triton.cdiv(n_rows, NORM_BLOCK_R), triton.cdiv(n_cols, NORM_BLOCK_C))](
+            *args, **meta, BLOCK_R=NORM_BLOCK_R, BLOCK_C=NORM_BLOCK_C)
+    return out, new_mean, new_var, mean, invstd
+
+
+def _statistics(y, scale, scale_value, running_mean, running_var, training, momentum, eps):
+    """Per-feature (mean, invstd) used to normalize, and the updated running statistics (empty unless
+    training with running statistics)."""
+    n_rows, n_cols = y.shape
     fp32 = dict(device=y.device, dtype=torch.float32)
     mean = torch.empty(n_cols, **fp32)
     invstd = torch.empty(n_cols, **fp32)
@@ -281,8 +384,6 @@ def scale_batch_norm(
                            dtype=running_mean.dtype if running_mean is not None else torch.float32)
     new_var = torch.empty(_new_running_stat_shape(training, running_var), device=y.device,
                           dtype=running_var.dtype if running_var is not None else torch.float32)
-    scale_mode = _scale_mode(scale)
-    scale_arg = scale if scale is not None else mean  # any tensor: never read for SCALE_NUMBER
 
     rows_per_part = STATS_BLOCK_R * max(1, triton.cdiv(n_rows, STATS_BLOCK_R * TARGET_ROW_STRIPS))
     n_parts = triton.cdiv(n_rows, rows_per_part) if training else 0
@@ -290,33 +391,21 @@ def scale_batch_norm(
     part_m2 = torch.empty((n_parts, n_cols), **fp32)
     if training:
         _partial_stats_kernel[(n_parts, triton.cdiv(n_cols, STATS_BLOCK_C))](
-            y, scale_arg, part_mean, part_m2,
+            y, scale if scale is not None else mean, part_mean, part_m2,
             n_rows, n_cols, rows_per_part,
             y.stride(0), y.stride(1),
             scale_value,
-            SCALE_MODE=scale_mode, BLOCK_R=STATS_BLOCK_R, BLOCK_C=STATS_BLOCK_C,
+            SCALE_MODE=_scale_mode(scale), BLOCK_R=STATS_BLOCK_R, BLOCK_C=STATS_BLOCK_C,
         )
-    stats_in = running_mean if running_mean is not None else mean
-    var_in = running_var if running_var is not None else mean
     _finalize_stats_kernel[(triton.cdiv(n_cols, FINALIZE_BLOCK_C),)](
-        part_mean, part_m2, stats_in, var_in,
+        part_mean, part_m2,
+        running_mean if running_mean is not None else mean, running_var if running_var is not None else mean,
         mean, invstd, new_mean, new_var,
         n_rows, n_cols, n_parts, rows_per_part,
         momentum, eps,
-        TRAINING=training, UPDATE_RUNNING=update_running, BLOCK_C=FINALIZE_BLOCK_C,
+        TRAINING=training, UPDATE_RUNNING=training and running_mean is not None, BLOCK_C=FINALIZE_BLOCK_C,
     )
-
-    out = torch.empty((n_rows, n_cols), device=y.device, dtype=out_dtype)
-    _normalize_kernel[(triton.cdiv(n_rows, NORM_BLOCK_R), triton.cdiv(n_cols, NORM_BLOCK_C))](
-        y, scale_arg, mean, invstd,
-        bn_weight if bn_weight is not None else mean, bn_bias if bn_bias is not None else mean, out,
-        n_rows, n_cols,
-        y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        scale_value,
-        SCALE_MODE=scale_mode, HAS_GAMMA=bn_weight is not None, HAS_BETA=bn_bias is not None,
-        BLOCK_R=NORM_BLOCK_R, BLOCK_C=NORM_BLOCK_C,
-    )
-    return out, new_mean, new_var, mean, invstd
+    return mean, invstd, new_mean, new_var
 
 
 # --------------------------------------------------------------------------- op registration
@@ -338,6 +427,9 @@ def linear_scale_batch_norm(
     eps: float,
     out_dtype: torch.dtype,
     keep_linear: bool,
+    scale_after: Optional[Tensor],
+    scale_after_value: float,
+    softmax: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (out, new_running_mean, new_running_var, linear_out, mean, invstd).
 
@@ -345,23 +437,24 @@ def linear_scale_batch_norm(
     backward) is empty unless keep_linear.
     """
     return reference(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
-                     training, momentum, eps, out_dtype, keep_linear)
+                     training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax)
 
 
 @linear_scale_batch_norm.register_kernel("cuda")
 def _cuda(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
-          training, momentum, eps, out_dtype, keep_linear):
+          training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax):
     check_batch_size(training, x)
     y = F.linear(x, weight, bias)  # cuBLAS, rounded to x's dtype like eager; the fused GEMM comes later
     out, new_mean, new_var, mean, invstd = scale_batch_norm(
-        y, scale, scale_value, bn_weight, bn_bias, running_mean, running_var, training, momentum, eps, out_dtype
+        y, scale, scale_value, bn_weight, bn_bias, running_mean, running_var, training, momentum, eps, out_dtype,
+        scale_after, scale_after_value, softmax,
     )
     return out, new_mean, new_var, y if keep_linear else y.new_empty(0), mean, invstd
 
 
 @linear_scale_batch_norm.register_fake
 def _fake(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
-          training, momentum, eps, out_dtype, keep_linear):
+          training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax):
     check_batch_size(training, x)
     n, f = x.shape[0], weight.shape[0]
     stats_dtype = running_mean.dtype if running_mean is not None else torch.float32
@@ -376,44 +469,55 @@ def _fake(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean,
 
 
 # --------------------------------------------------------------------------- autograd
+# Argument positions, for ctx.needs_input_grad.
+X, WEIGHT, BIAS, SCALE, BN_WEIGHT, BN_BIAS, SCALE_AFTER = 0, 1, 2, 3, 5, 6, 14
 
 
 def _setup_context(ctx, inputs, output):
     (x, weight, bias, scale, scale_value, bn_weight, bn_bias, _rm, _rv,
-     training, _momentum, eps, _out_dtype, keep_linear) = inputs
-    _out, new_mean, new_var, linear_out, mean, invstd = output
+     training, _momentum, eps, _out_dtype, keep_linear, scale_after, scale_after_value, softmax) = inputs
+    out, new_mean, new_var, linear_out, mean, invstd = output
     ctx.mark_non_differentiable(new_mean, new_var, linear_out, mean, invstd)
-    ctx.save_for_backward(x, weight, scale, bn_weight, linear_out, mean, invstd)
-    ctx.training, ctx.eps, ctx.keep_linear, ctx.scale_value = training, eps, keep_linear, scale_value
+    ctx.save_for_backward(x, weight, scale, bn_weight, bn_bias, scale_after, linear_out, mean, invstd,
+                          out if softmax else None)
+    ctx.training, ctx.eps, ctx.keep_linear, ctx.softmax = training, eps, keep_linear, softmax
+    ctx.scale_value, ctx.scale_after_value = scale_value, scale_after_value
     ctx.bias_dtype = bias.dtype if bias is not None else None
-    ctx.bn_bias_dtype = bn_bias.dtype if bn_bias is not None else None
 
 
 def _backward(ctx, grad_out, *_grads_of_non_differentiable_outputs):
-    x, weight, scale, bn_weight, linear_out, mean, invstd = ctx.saved_tensors
+    x, weight, scale, bn_weight, bn_bias, scale_after, linear_out, mean, invstd, out = ctx.saved_tensors
     if not ctx.keep_linear:
         raise RuntimeError("fusepass.linear_scale_batch_norm was called with keep_linear=False; no backward")
+    need = ctx.needs_input_grad
     y = linear_out.float()
-    s = scale.float() if scale is not None else ctx.scale_value
-    x_hat = (y * s - mean) * invstd
+    s1 = _as_factor(scale, ctx.scale_value)
+    x_hat = (y * s1 - mean) * invstd
     g = grad_out.float()
+    if ctx.softmax:  # through softmax: p * (g - sum(g * p))
+        p = out.float()
+        g = p * (g - (g * p).sum(1, keepdim=True))
+    grad_scale_after = None
+    if need[SCALE_AFTER] and scale_after is not None:
+        grad_scale_after = _reduce_to(g * _affine(x_hat, bn_weight, bn_bias), scale_after)
+    g = g * _as_factor(scale_after, ctx.scale_after_value)  # now the gradient w.r.t. the batch_norm output
+
     g_hat = g * bn_weight.float() if bn_weight is not None else g
     sum_g_xhat = (g_hat * x_hat).sum(0)
     if ctx.training:  # batch statistics depend on z: project out the mean and the x_hat component
         grad_z = (g_hat - g_hat.mean(0) - x_hat * (sum_g_xhat / g.shape[0])) * invstd
     else:
         grad_z = g_hat * invstd
-    grad_y = (grad_z * s).to(linear_out.dtype)
+    grad_y = (grad_z * s1).to(linear_out.dtype)
 
-    need = ctx.needs_input_grad
-    grad_x = grad_y @ weight if need[0] else None
-    grad_w = grad_y.t() @ x if need[1] else None
-    grad_b = _linear_bias_grad(ctx, grad_y) if need[2] else None
-    grad_scale = _scale_grad(ctx, scale, s, grad_z, y, sum_g_xhat, invstd) if need[3] else None
-    grad_gamma = (g * x_hat).sum(0).to(bn_weight.dtype) if need[5] else None
-    grad_beta = g.sum(0).to(ctx.bn_bias_dtype) if need[6] else None
+    grad_x = grad_y @ weight if need[X] else None
+    grad_w = grad_y.t() @ x if need[WEIGHT] else None
+    grad_b = _linear_bias_grad(ctx, grad_y) if need[BIAS] else None
+    grad_scale = _scale_grad(ctx, scale, s1, grad_z, y, sum_g_xhat, invstd) if need[SCALE] else None
+    grad_gamma = (g * x_hat).sum(0).to(bn_weight.dtype) if need[BN_WEIGHT] else None
+    grad_beta = g.sum(0).to(bn_bias.dtype) if need[BN_BIAS] else None
     return (grad_x, grad_w, grad_b, grad_scale, None, grad_gamma, grad_beta,
-            None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, grad_scale_after, None, None)
 
 
 def _linear_bias_grad(ctx, grad_y):
@@ -433,7 +537,15 @@ def _scale_grad(ctx, scale, s, grad_z, y, sum_g_xhat, invstd):
         # the direct form is exact.
         closed_form = sum_g_xhat * ctx.eps * invstd * invstd / s
         per_feature = torch.where(s != 0, closed_form, per_feature)
-    return per_feature.sum_to_size(scale.shape).to(scale.dtype)
+    return _reduce_to(per_feature, scale)
+
+
+def _reduce_to(grad: Tensor, scale: Tensor) -> Tensor:
+    """Sums a broadcast gradient down to the scale's shape. A one-element scale sums everything:
+    that single reduction accumulates in float64, cheaply and as exactly as it can."""
+    if scale.numel() == 1:
+        return grad.double().sum().reshape(scale.shape).to(scale.dtype)
+    return grad.sum_to_size(scale.shape).to(scale.dtype)
 
 
 linear_scale_batch_norm.register_autograd(_backward, setup_context=_setup_context)

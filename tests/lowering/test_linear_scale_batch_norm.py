@@ -11,6 +11,7 @@ from tests.chains import DEVICES, assert_no_further_from_float64
 OP = torch.ops.fusepass.linear_scale_batch_norm.default
 # Where the Triton launcher runs: natively on a GPU, else in Triton's interpreter on CPU tensors.
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NO_TAIL = (None, 1.0, False)  # the op's scale_after, scale_after_value, softmax for a chain ending at batch_norm
 
 
 def make_case(n, k, f, *, scale="per_feature", affine=True, running=True, dtype=torch.float32,
@@ -33,14 +34,15 @@ def make_case(n, k, f, *, scale="per_feature", affine=True, running=True, dtype=
     return case
 
 
-def kernel_args(case, training, out_dtype):
+def kernel_args(case, training, out_dtype, tail=()):
+    """The launcher's arguments for a case; `tail` = (scale_after, scale_after_value, softmax)."""
     y = F.linear(case["x"], case["weight"], case["bias"])
     return y, (case["scale"], case["scale_value"], case["bn_weight"], case["bn_bias"],
-               case["running_mean"], case["running_var"], training, 0.1, 1e-5, out_dtype)
+               case["running_mean"], case["running_var"], training, 0.1, 1e-5, out_dtype, *tail)
 
 
-def reference_of(case, training, out_dtype):
-    return lowering.reference(*case.values(), training, 0.1, 1e-5, out_dtype, False)
+def reference_of(case, training, out_dtype, tail=()):
+    return lowering.reference(*case.values(), training, 0.1, 1e-5, out_dtype, False, *tail)
 
 
 @pytest.mark.parametrize("n, k, f", [(37, 23, 19), (2, 5, 3), (130, 17, 67), (2100, 3, 5)])
@@ -106,8 +108,8 @@ def test_nan_propagates_like_eager():
 def test_batch_of_one_in_training_raises_value_error(device):
     case = make_case(1, 5, 4, device=device)
     with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
-        OP(*case.values(), True, 0.1, 1e-5, torch.float32, False)
-    out, *_ = OP(*case.values(), False, 0.1, 1e-5, torch.float32, False)  # eval is fine
+        OP(*case.values(), True, 0.1, 1e-5, torch.float32, False, *NO_TAIL)
+    out, *_ = OP(*case.values(), False, 0.1, 1e-5, torch.float32, False, *NO_TAIL)  # eval is fine
     assert out.shape == (1, 4)
 
 
@@ -117,7 +119,7 @@ def test_batch_of_one_in_training_raises_value_error(device):
 def test_opcheck(device, training, scale):
     """Schema, fake implementation (incl. dynamic shapes under AOT), autograd registration."""
     case = make_case(9, 6, 5, scale=scale, device=device, requires_grad=True)
-    torch.library.opcheck(OP, (*case.values(), training, 0.1, 1e-5, torch.float32, True))
+    torch.library.opcheck(OP, (*case.values(), training, 0.1, 1e-5, torch.float32, True, *NO_TAIL))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -130,7 +132,7 @@ def test_backward_matches_eager_autograd(device, training, scale):
     for name, dtype in (("fused", torch.float32), ("eager", torch.float32), ("ref", torch.float64)):
         case = make_case(48, 24, 40, scale=scale, dtype=dtype, device=device, requires_grad=True)
         if name == "fused":
-            out = OP(*case.values(), training, 0.1, 1e-5, dtype, True)[0]
+            out = OP(*case.values(), training, 0.1, 1e-5, dtype, True, *NO_TAIL)[0]
         else:
             z = F.linear(case["x"], case["weight"], case["bias"])
             z = z * (case["scale"] if case["scale"] is not None else case["scale_value"])
@@ -144,3 +146,58 @@ def test_backward_matches_eager_autograd(device, training, scale):
     for key in ("x", "weight", "bias", "scale", "bn_weight", "bn_bias"):
         if isinstance(rc[key], torch.Tensor):
             assert_no_further_from_float64(f"grad {key}", fc[key].grad, ec[key].grad, rc[key].grad)
+
+
+# --------------------------------------------------------------------------- the tail: scale and softmax
+
+
+def float64_chain(y, case, training, tail):
+    """The unfused chain in float64 on the same linear output: the ground truth for the kernels."""
+    s2, s2_value, softmax = tail
+    running = [case[k].double() if case[k] is not None else None for k in ("running_mean", "running_var")]
+    z = y.double() * (case["scale"].double() if case["scale"] is not None else case["scale_value"])
+    affine = [case[k].double() if case[k] is not None else None for k in ("bn_weight", "bn_bias")]
+    u = F.batch_norm(z, *running, *affine, training, 0.1, 1e-5)
+    u = u * (s2.double() if s2 is not None else s2_value)
+    return torch.softmax(u, dim=-1) if softmax else u
+
+
+@pytest.mark.parametrize("n, k, f", [(37, 23, 19), (6, 4, 8200), (130, 17, 1030)])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("scale_after", ["single", "per_feature", "number"])
+@pytest.mark.parametrize("softmax", [True, False])
+def test_tail_kernels_match_reference(n, k, f, training, scale_after, softmax):
+    """Rows longer than one block (8200 > 8192 columns) take several online-softmax sweeps. Judged by
+    the float64 criterion against the fp32 reference: in eval the logits reach |u| ~ 200 here, where
+    any fp32 rounding of u moves the softmax by ~|u| ulps."""
+    case = make_case(n, k, f, scale="number")
+    g = torch.Generator().manual_seed(f)
+    s2 = {"single": torch.randn(1, generator=g), "per_feature": torch.randn(f, generator=g),
+          "number": None}[scale_after]
+    tail = (s2.to(KERNEL_DEVICE) if s2 is not None else None, 0.7 if s2 is None else 1.0, softmax)
+    y, args = kernel_args(case, training, torch.float32, tail)
+    out, new_mean, new_var, mean, invstd = lowering.scale_batch_norm(y, *args)
+    ref_out, ref_new_mean, ref_new_var, _, ref_mean, ref_invstd = reference_of(case, training, torch.float32, tail)
+    assert_no_further_from_float64("output", out, ref_out, float64_chain(y, case, training, tail))
+    torch.testing.assert_close(new_var, ref_new_var, rtol=1e-5, atol=0)
+    if softmax:
+        torch.testing.assert_close(out.double().sum(1), torch.ones(n, dtype=torch.float64, device=out.device),
+                                   rtol=1e-5, atol=0)  # fp32 probabilities
+
+
+@pytest.mark.parametrize("value", [float("-inf"), float("inf"), float("nan")])
+def test_softmax_non_finite_like_eager(value):
+    """Eval mode (running statistics stay finite): a row holding -inf, +inf or NaN behaves as eager's
+    softmax does; a row that is -inf throughout is NaN in eager, and here."""
+    case = make_case(5, 3, 1500, scale="number")
+    y, args = kernel_args(case, False, torch.float32, NO_TAIL[:2] + (True,))
+    y[1, 7] = value
+    y[3, :] = float("-inf")
+    out, *_ = lowering.scale_batch_norm(y, *args)
+    bn = F.batch_norm(y * case["scale_value"], case["running_mean"], case["running_var"], case["bn_weight"],
+                      case["bn_bias"], False, 0.1, 1e-5)
+    expected = torch.softmax(bn, dim=-1)
+    assert torch.equal(torch.isnan(out), torch.isnan(expected))
+    assert torch.isnan(out[3]).all()
+    assert_no_further_from_float64("finite rows", out[[0, 2, 4]], expected[[0, 2, 4]],
+                                   float64_chain(y, case, False, NO_TAIL[:2] + (True,))[[0, 2, 4]])
