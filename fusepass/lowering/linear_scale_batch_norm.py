@@ -16,6 +16,7 @@ launcher that runs them on a linear output, the op registration with its fake an
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra import libdevice
 
 OP_NAME = "fusepass::linear_scale_batch_norm"
 
@@ -105,6 +107,19 @@ def _updated_running_stats(n, mean, var, running_mean, running_var, training, mo
 
 # How the scale enters the kernels.
 SCALE_NUMBER, SCALE_SINGLE, SCALE_PER_FEATURE = 0, 1, 2
+# Triton's interpreter (TRITON_INTERPRET=1, read when kernels are defined) has no libdevice.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _exp(x, ACCURATE_EXP: tl.constexpr):
+    """exp(x) within ~1 ulp. tl.exp compiles to a fast approximation whose error grows with |x|
+    (3x eager's softmax error at |x| ~ 200); eager's CUDA softmax uses libdevice's expf, and so do we.
+    The interpreter's tl.exp is numpy's exp, accurate already."""
+    if ACCURATE_EXP:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
 
 
 @triton.jit
@@ -262,6 +277,25 @@ def _normalize_kernel(
 
 
 @triton.jit
+def _softmax_logits(
+    y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+    rows, c0, n_cols, row_mask, stride_yr, stride_yc, scale_value, scale_after_value,
+    SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One column block of the logits, -inf past the last column. Both softmax sweeps call this one
+    function, so the compiler builds the same expression (and rounding) for u in each: had one sweep
+    let `u - max` contract into an FMA and the other not, numerators and sum would disagree by up to
+    |u| ulps."""
+    cols = c0 + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    u = _normalized_tile(y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+                         rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value, scale_after_value,
+                         SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA)
+    return tl.where(col_mask[None, :], u, float("-inf")), cols, col_mask
+
+
+@triton.jit
 def _normalize_softmax_kernel(
     # pointers
     y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr, out_ptr,
@@ -273,7 +307,7 @@ def _normalize_softmax_kernel(
     scale_value, scale_after_value,
     # meta-parameters
     SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACCURATE_EXP: tl.constexpr,
 ):
     """out = softmax(u, dim=-1) for BLOCK_R whole rows of any length: an online max/sum sweep over
     the columns, then a sweep that writes exp(u - max) / sum. fp32 throughout."""
@@ -282,26 +316,23 @@ def _normalize_softmax_kernel(
     row_max = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, n_cols, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        col_mask = cols < n_cols
-        u = _normalized_tile(y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
-                             rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value, scale_after_value,
-                             SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA)
-        u = tl.where(col_mask[None, :], u, float("-inf"))
+        u, cols, col_mask = _softmax_logits(
+            y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+            rows, c0, n_cols, row_mask, stride_yr, stride_yc, scale_value, scale_after_value,
+            SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA, BLOCK_C)
         new_max = tl.maximum(row_max, tl.max(u, axis=1))
         # While a row has seen only -inf, subtract 0 instead of -inf so that no -inf - -inf NaN appears
         # (a row that is -inf throughout still ends 0 / 0 = NaN, as in eager).
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(u - shift[:, None]), axis=1)
+        row_sum = row_sum * _exp(row_max - shift, ACCURATE_EXP) + tl.sum(_exp(u - shift[:, None], ACCURATE_EXP), axis=1)
         row_max = new_max
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     for c0 in range(0, n_cols, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        col_mask = cols < n_cols
-        u = _normalized_tile(y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
-                             rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value, scale_after_value,
-                             SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA)
-        p = tl.exp(u - shift[:, None]) / row_sum[:, None]
+        u, cols, col_mask = _softmax_logits(
+            y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+            rows, c0, n_cols, row_mask, stride_yr, stride_yc, scale_value, scale_after_value,
+            SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA, BLOCK_C)
+        p = tl.math.div_rn(_exp(u - shift[:, None], ACCURATE_EXP), row_sum[:, None])
         tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
                  p.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -366,7 +397,7 @@ def scale_batch_norm(
     if softmax:
         block_c = min(SOFTMAX_MAX_BLOCK_C, triton.next_power_of_2(n_cols))
         _normalize_softmax_kernel[(triton.cdiv(n_rows, SOFTMAX_BLOCK_R),)](
-            *args, **meta, BLOCK_R=SOFTMAX_BLOCK_R, BLOCK_C=block_c)
+            *args, **meta, BLOCK_R=SOFTMAX_BLOCK_R, BLOCK_C=block_c, ACCURATE_EXP=not INTERPRETED)
     else:
         _normalize_kernel[(triton.cdiv(n_rows, NORM_BLOCK_R), triton.cdiv(n_cols, NORM_BLOCK_C))](
             *args, **meta, BLOCK_R=NORM_BLOCK_R, BLOCK_C=NORM_BLOCK_C)
