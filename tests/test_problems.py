@@ -50,13 +50,18 @@ def test_problem_shrunk_on_cpu(name):
 @pytest.mark.parametrize("name", PROBLEMS)
 def test_problem_full_size_on_cuda(name):
     check_problem(name, "cuda")
+    check_explain(name, "cuda")
+
+
+def check_explain(name, device, shrink_to=None):
+    problem, init, batch = problem_setup(name, shrink_to)
+    report = fusepass.explain(problem.Model(*init).to(device), torch.rand(batch, init[0], device=device))
+    assert [m["pattern"] for m in report.matches] == [PROBLEMS[name]] and report.misses == []
 
 
 @pytest.mark.parametrize("name", PROBLEMS)
 def test_explain_reports_one_rewrite_per_problem(name):
-    problem, init, batch = problem_setup(name, CPU_SIZE)
-    report = fusepass.explain(problem.Model(*init), torch.rand(batch, init[0]))
-    assert [m["pattern"] for m in report.matches] == [PROBLEMS[name]] and report.misses == []
+    check_explain(name, "cpu", CPU_SIZE)
 
 
 @pytest.mark.skipif(not SHARED_PROBLEMS_DIR.is_dir(), reason="no ../shared/problems beside this checkout")
