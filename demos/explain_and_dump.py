@@ -1,0 +1,38 @@
+"""What fusepass does to a graph: the explain() report, then the debug dump of the rewritten graph.
+
+    python demos/explain_and_dump.py [--problem gemm_batchnorm_scale_softmax]
+"""
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+import fusepass
+from fusepass.problems import load_problem, problem_sizes
+
+PROBLEMS = Path(__file__).parent / "problems"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--problem", default="gemm_batchnorm_scale_softmax")
+    args = parser.parse_args()
+    problem = load_problem(PROBLEMS / f"{args.problem}.py")
+    init, batch = problem_sizes(problem, (64, 128, 96))  # matching does not depend on size
+    model, x = problem.Model(*init), torch.rand(batch, init[0])
+
+    print("fusepass.explain(model, x):\n")
+    print(fusepass.explain(model, x))
+
+    with tempfile.TemporaryDirectory() as debug_dir:
+        torch.compile(model, backend="fusepass", options={"debug_dir": debug_dir})(x)
+        order = {"before": 0, "after": 1, "report": 2}
+        for path in sorted(Path(debug_dir).iterdir(), key=lambda p: order[p.stem.rsplit("_", 1)[-1]]):
+            print(f"\n===== {path.name} =====")
+            print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()

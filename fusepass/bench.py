@@ -1,0 +1,459 @@
+"""fusepass-bench: is fusepass correct on a KernelBench-format problem, and how much faster is it?
+
+    python -m fusepass.bench PROBLEM.py [PROBLEM.py ...] [options]      (or: fusepass-bench ...)
+
+For each problem, mode and precision it builds Model(*get_init_inputs()), one identical copy per
+provider (eager, Inductor, fusepass, optionally Inductor max-autotune) and a float64 copy; checks every
+provider on several fresh input draws against the float64 copy (and its running statistics against
+eager's); then times the providers that were correct. A wrong provider is reported wrong, not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import triton
+from tabulate import tabulate
+
+from fusepass.problems import load_problem
+
+PROVIDERS = ("eager", "inductor", "fusepass", "max-autotune")
+PRECISIONS = ("fp32", "tf32", "bf16-autocast", "fp16-autocast")
+# allclose tolerances to the float64 model when --atol/--rtol are not given (KernelBench's: 1e-4 fp32, 1e-2 else).
+DEFAULT_TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "bf16-autocast": 1e-2, "fp16-autocast": 1e-2}
+
+
+class BenchError(Exception):
+    """Bad input: reported as one line, exit status 2."""
+
+
+@dataclass
+class Result:
+    problem: str
+    mode: str
+    precision: str
+    provider: str
+    correct: bool = False
+    max_abs_error: float = math.nan  # worst over the seeds, to the float64 model
+    rel_error: float = math.nan  # worst ||out - ref|| / ||ref|| over the seeds
+    grad_rel_error: Optional[float] = None  # with --backward: all parameters' gradients as one vector, worst seed
+    stats_match_eager: Optional[bool] = None  # None when the model has no running statistics
+    failure: Optional[str] = None
+    compile_s: float = math.nan  # the first call, compilation included
+    median_ms: float = math.nan
+    p20_ms: float = math.nan
+    p80_ms: float = math.nan
+    peak_mb: float = math.nan
+    speedup_vs_eager: Optional[float] = None
+    speedup_vs_inductor: Optional[float] = None
+
+
+@dataclass
+class Config:
+    device: str
+    modes: list[str]
+    precisions: list[str]
+    providers: list[str]
+    backward: bool
+    seeds: int
+    shrink: int
+    atol: Optional[float]
+    rtol: Optional[float]
+    warmup_ms: int
+    rep_ms: int
+    results: list[Result] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- problems
+
+
+def load(path: str, shrink: int):
+    if not Path(path).is_file():
+        raise BenchError(f"no such problem file: {path}")
+    try:
+        module = load_problem(path)
+    except Exception as exc:
+        raise BenchError(f"{path}: cannot be imported: {exc!r}") from exc
+    for name in ("Model", "get_inputs", "get_init_inputs"):
+        if not hasattr(module, name):
+            raise BenchError(f"{path}: defines no {name} (a KernelBench problem needs Model, get_inputs, get_init_inputs)")
+    if shrink > 1:
+        shrink_sizes(module, shrink)
+    return module
+
+
+def shrink_sizes(module, factor: int) -> None:
+    """Divides every size the problem file defines (module-level ints > 1, and the ints > 1 in
+    module-level tuples such as a scale shape) by `factor`, at least 1 each."""
+    def smaller(value):
+        return max(1, value // factor) if isinstance(value, int) and not isinstance(value, bool) and value > 1 else value
+
+    for name, value in list(vars(module).items()):
+        if name.startswith("_"):
+            continue
+        if isinstance(value, tuple) and all(isinstance(v, int) for v in value):
+            setattr(module, name, tuple(smaller(v) for v in value))
+        else:
+            setattr(module, name, smaller(value))
+
+
+def to_device(values, device, dtype=None):
+    return [v.to(device, dtype) if isinstance(v, torch.Tensor) and (dtype is None or v.is_floating_point())
+            else v.to(device) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+# --------------------------------------------------------------------------- precision and providers
+
+
+@contextlib.contextmanager
+def precision_context(precision: str, device: str):
+    """fp32 keeps PyTorch's default 'highest' matmul precision; tf32 allows TF32 everywhere."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
+    try:
+        if precision.endswith("-autocast"):
+            dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+            with torch.autocast(device, dtype=dtype):
+                yield
+        else:
+            yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def make_provider(name: str, model: torch.nn.Module) -> Callable:
+    if name == "eager":
+        return model
+    if name == "inductor":
+        return torch.compile(model)
+    if name == "fusepass":
+        return torch.compile(model, backend="fusepass")
+    if name == "max-autotune":
+        return torch.compile(model, mode="max-autotune-no-cudagraphs")
+    raise BenchError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------- one configuration
+
+
+class Run:
+    """One problem in one mode and precision: every provider's copy of the model, and the checks."""
+
+    def __init__(self, cfg: Config, path: str, module, mode: str, precision: str):
+        self.cfg, self.module, self.mode, self.precision = cfg, module, mode, precision
+        self.name = Path(path).stem
+        torch.manual_seed(0)
+        base = module.Model(*module.get_init_inputs()).to(cfg.device).train(mode == "train")
+        self.models = {p: copy.deepcopy(base) for p in cfg.providers}
+        self.reference = copy.deepcopy(base).double()
+        self.fns = {p: make_provider(p, self.models[p]) for p in cfg.providers}
+        self.results = {p: Result(self.name, mode, precision, p) for p in cfg.providers}
+        default_tol = DEFAULT_TOLERANCE[precision]
+        self.atol = cfg.atol if cfg.atol is not None else default_tol
+        self.rtol = cfg.rtol if cfg.rtol is not None else default_tol
+
+    def call(self, provider: str, inputs: list, upstream: Optional[torch.Tensor] = None):
+        """Forward (and with --backward, backward of sum(out * upstream)) of one provider."""
+        with precision_context(self.precision, self.cfg.device):
+            out = self.fns[provider](*inputs)
+        if self.cfg.backward:
+            (out.float() * (upstream if upstream is not None else 1.0)).sum().backward()
+        return out
+
+    def check(self, progress: Callable[[str], None]) -> None:
+        for seed in range(self.cfg.seeds):
+            torch.manual_seed(seed)
+            inputs = to_device(self.module.get_inputs(), self.cfg.device)
+            ref_out = self.reference(*to_device(inputs, self.cfg.device, torch.float64))
+            upstream = torch.randn(ref_out.shape, device=self.cfg.device, dtype=torch.float64)
+            if self.cfg.backward:
+                (ref_out * upstream).sum().backward()
+            for provider, result in self.results.items():
+                if result.failure:
+                    continue
+                progress(f"{provider}: seed {seed}" + (" (compiling)" if seed == 0 else ""))
+                try:
+                    self._check_one(provider, result, inputs, ref_out, upstream.float(), first=seed == 0)
+                except Exception as exc:  # a provider that crashes is wrong, not a reason to stop
+                    result.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            for model in (*self.models.values(), self.reference):
+                model.zero_grad(set_to_none=True)
+        for result in self.results.values():
+            result.correct = result.failure is None
+
+    def _check_one(self, provider, result, inputs, ref_out, upstream, first):
+        start = time.perf_counter()
+        out = self.call(provider, inputs, upstream)
+        sync(self.cfg.device)
+        if first:
+            result.compile_s = time.perf_counter() - start
+        diff = (out.double() - ref_out).abs()
+        result.max_abs_error = max(_nan_to_inf(diff.max().item()), _zero_if_nan(result.max_abs_error))
+        rel = ((out.double() - ref_out).norm() / ref_out.norm()).item()
+        result.rel_error = max(_nan_to_inf(rel), _zero_if_nan(result.rel_error))
+        if not torch.allclose(out.double(), ref_out, atol=self.atol, rtol=self.rtol):
+            result.failure = f"output not allclose to float64 (atol={self.atol:g}, rtol={self.rtol:g})"
+        if self.cfg.backward:
+            self._check_grads(provider, result)
+        self._check_stats(provider, result)
+
+    def _check_grads(self, provider, result):
+        """Judged at the scale of the model's whole gradient: a parameter whose exact gradient is 0 (the
+        linear bias under training-mode batch norm) has a float64 reference of pure rounding noise."""
+        pairs = [(name, param.grad, ref.grad) for (name, param), ref in
+                 zip(self.models[provider].named_parameters(), self.reference.parameters()) if ref.grad is not None]
+        missing = [name for name, grad, _ in pairs if grad is None]
+        if missing:
+            result.failure = f"no gradient for {missing[0]}"
+            return
+        scale = max(ref.abs().max().item() for _, _, ref in pairs)
+        for name, grad, ref in pairs:
+            if not torch.allclose(grad.double(), ref, atol=self.atol * scale, rtol=self.rtol):
+                result.failure = f"gradient of {name} not allclose to float64"
+        diff = math.sqrt(sum((grad.double() - ref).square().sum().item() for _, grad, ref in pairs))
+        norm = math.sqrt(sum(ref.square().sum().item() for _, _, ref in pairs))
+        result.grad_rel_error = max(diff / norm, result.grad_rel_error or 0.0)
+
+    def _check_stats(self, provider, result):
+        buffers = list(self.models[provider].buffers())
+        if not buffers or provider == "eager":
+            result.stats_match_eager = None if not buffers else True
+            return
+        tol = dict(atol=self.atol, rtol=self.rtol)
+        match = all(torch.allclose(b.double(), e.double(), **tol) if b.is_floating_point() else torch.equal(b, e)
+                    for b, e in zip(buffers, self.models["eager"].buffers()))
+        result.stats_match_eager = match and result.stats_match_eager is not False
+        if not match:
+            result.failure = "running statistics differ from eager's"
+
+    def time_all(self, progress: Callable[[str], None]) -> None:
+        torch.manual_seed(0)
+        inputs = to_device(self.module.get_inputs(), self.cfg.device)
+        for provider, result in self.results.items():
+            if not result.correct:
+                continue
+            progress(f"{provider}: timing")
+            fn = lambda p=provider: self.call(p, inputs)  # noqa: E731
+            times = measure(fn, self.cfg, list(self.models[provider].parameters()))
+            result.median_ms = statistics.median(times)
+            result.p20_ms, result.p80_ms = _quantile(times, 0.2), _quantile(times, 0.8)
+            result.peak_mb = peak_memory_mb(fn, self.cfg.device)
+        eager, inductor = self.results.get("eager"), self.results.get("inductor")
+        for result in self.results.values():
+            if result.correct:
+                result.speedup_vs_eager = _ratio(eager, result)
+                result.speedup_vs_inductor = _ratio(inductor, result)
+
+
+def measure(fn: Callable, cfg: Config, params: list) -> list[float]:
+    """Per-call times in ms: CUDA events via triton.testing.do_bench (L2 flushed between calls), or
+    a host clock on CPU."""
+    if cfg.device == "cuda":
+        return triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, grad_to_none=params,
+                                       return_mode="all")
+    for _ in range(3):
+        fn()
+    times, deadline = [], time.perf_counter() + cfg.rep_ms / 1000
+    while time.perf_counter() < deadline or len(times) < 5:
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def peak_memory_mb(fn: Callable, device: str) -> float:
+    if device != "cuda":
+        return math.nan
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+def _ratio(base: Optional[Result], result: Result) -> Optional[float]:
+    if base is None or not base.correct or not result.median_ms:
+        return None
+    return base.median_ms / result.median_ms
+
+
+def _quantile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _nan_to_inf(value: float) -> float:
+    return math.inf if math.isnan(value) else value
+
+
+def _zero_if_nan(value: float) -> float:
+    return 0.0 if math.isnan(value) else value
+
+
+# --------------------------------------------------------------------------- driver and output
+
+
+def run(paths: list[str], cfg: Config, progress: Callable[[str], None]) -> list[Result]:
+    modules = {path: load(path, cfg.shrink) for path in paths}  # bad input fails before any work
+    for path, module in modules.items():
+        check_eager(path, module, cfg.device)
+    total = len(paths) * len(cfg.modes) * len(cfg.precisions)
+    step = 0
+    for path, module in modules.items():
+        for mode in cfg.modes:
+            for precision in cfg.precisions:
+                step += 1
+                torch._dynamo.reset()
+                prefix = f"[{step}/{total}] {Path(path).stem} {mode} {precision}"
+                one = Run(cfg, path, module, mode, precision)
+                started = time.perf_counter()
+                say = lambda text: progress(f"{prefix} {text} ({time.perf_counter() - started:.0f} s)")  # noqa: E731
+                one.check(say)
+                one.time_all(say)
+                cfg.results += one.results.values()
+    return cfg.results
+
+
+def check_eager(path: str, module, device: str) -> None:
+    try:
+        torch.manual_seed(0)
+        model = module.Model(*module.get_init_inputs()).to(device)
+        model(*to_device(module.get_inputs(), device))
+    except Exception as exc:
+        raise BenchError(f"{path}: the problem fails in eager: {type(exc).__name__}: {exc}") from exc
+
+
+def format_table(results: list[Result], problem: str, backward: bool) -> str:
+    headers = ["mode", "precision", "provider", "verdict", "max abs err", "rel err"]
+    headers += ["grad rel err"] if backward else []
+    headers += ["stats = eager", "median ms", "p20-p80 ms", "compile s", "peak MB", "vs eager", "vs inductor"]
+    rows = []
+    for r in (r for r in results if r.problem == problem):
+        row = [r.mode, r.precision, r.provider, "ok" if r.correct else f"WRONG: {r.failure}",
+               f"{r.max_abs_error:.2e}", f"{r.rel_error:.2e}"]
+        row += [f"{r.grad_rel_error:.2e}" if r.grad_rel_error is not None else "-"] if backward else []
+        row += [{None: "-", True: "yes", False: "NO"}[r.stats_match_eager],
+                f"{r.median_ms:.3f}" if r.correct else "-",
+                f"{r.p20_ms:.3f}-{r.p80_ms:.3f}" if r.correct else "-",
+                f"{r.compile_s:.1f}", f"{r.peak_mb:.0f}" if not math.isnan(r.peak_mb) else "-",
+                _fmt_ratio(r.speedup_vs_eager), _fmt_ratio(r.speedup_vs_inductor)]
+        rows.append(row)
+    return tabulate(rows, headers=headers, disable_numparse=True, maxcolwidths=[None, None, None, 40])
+
+
+def _fmt_ratio(value: Optional[float]) -> str:
+    return f"{value:.2f}x" if value is not None else "-"
+
+
+def environment(device: str) -> dict[str, Any]:
+    return {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["fusepass-bench", *sys.argv[1:]]),
+    }
+
+
+def write_plot(results: list[Result], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r.problem, r.mode, r.precision) for r in results})
+    providers = [p for p in PROVIDERS if any(r.provider == p for r in results) and p != "eager"]
+    width = 0.8 / max(1, len(providers))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups)), 4))
+    for i, provider in enumerate(providers):
+        speedups = [next((r.speedup_vs_eager or 0.0 for r in results if (r.problem, r.mode, r.precision) == g
+                          and r.provider == provider), 0.0) for g in groups]
+        ax.bar([x + i * width for x in range(len(groups))], speedups, width, label=provider)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(providers) - 1) / 2 for x in range(len(groups))])
+    ax.set_xticklabels(["\n".join(g) for g in groups], fontsize=7)
+    ax.set_ylabel("speedup vs eager (wrong = 0)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> tuple[list[str], Config, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog="fusepass-bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("problems", nargs="+", metavar="PROBLEM.py")
+    parser.add_argument("--mode", nargs="+", choices=("train", "eval"), default=["train"])
+    parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["fp32"])
+    parser.add_argument("--backward", action="store_true", help="time (and check) forward + backward")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=["eager", "inductor", "fusepass"])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shrink", type=int, default=1, metavar="F", help="divide every size in the problem by F")
+    parser.add_argument("--seeds", type=int, default=5, help="fresh input draws for the correctness check")
+    parser.add_argument("--atol", type=float, help="allclose atol to float64 (default: 1e-4 fp32, 1e-2 otherwise)")
+    parser.add_argument("--rtol", type=float, help="allclose rtol to float64 (default: as --atol)")
+    parser.add_argument("--warmup", type=int, default=100, metavar="MS", help="warm-up time per timing (ms)")
+    parser.add_argument("--rep", type=int, default=500, metavar="MS", help="timed repetitions per timing (ms)")
+    parser.add_argument("--json", metavar="FILE", help="write every figure, with GPU, versions and date")
+    parser.add_argument("--plot", metavar="FILE.png", help="bar chart of speedups (needs matplotlib)")
+    args = parser.parse_args(argv)
+    if "eager" not in args.providers:
+        args.providers.insert(0, "eager")  # running statistics are checked against eager's
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda, but no CUDA GPU is available (use --device cpu)")
+    if args.shrink < 1 or args.seeds < 1:
+        raise BenchError("--shrink and --seeds must be at least 1")
+    cfg = Config(args.device, args.mode, args.precision, args.providers, args.backward, args.seeds,
+                 args.shrink, args.atol, args.rtol, args.warmup, args.rep)
+    return args.problems, cfg, args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        paths, cfg, args = parse_args(argv)
+        if args.plot:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise BenchError("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+        results = run(paths, cfg, progress=lambda text: print(text, file=sys.stderr, flush=True))
+    except BenchError as exc:
+        print(f"fusepass-bench: error: {exc}", file=sys.stderr)
+        return 2
+    env = environment(cfg.device)
+    print(f"\n{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}")
+    for problem in dict.fromkeys(r.problem for r in results):
+        print(f"\n{problem}" + (f" (sizes / {cfg.shrink})" if cfg.shrink > 1 else ""))
+        print(format_table(results, problem, cfg.backward))
+    if args.json:
+        payload = {"environment": env, "config": {k: v for k, v in asdict(cfg).items() if k != "results"},
+                   "results": [{k: _json_value(v) for k, v in asdict(r).items()} for r in results]}
+        Path(args.json).write_text(json.dumps(payload, indent=2, allow_nan=False))
+    if args.plot:
+        write_plot(results, args.plot)
+    return 0 if all(r.correct for r in results if r.provider != "eager") else 1
+
+
+def _json_value(value):
+    """JSON has no NaN or infinity: a figure that was not measured is null."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+if __name__ == "__main__":
+    sys.exit(main())
