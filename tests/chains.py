@@ -21,15 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from fusepass.numerics import no_further_than_eager, rel_error
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])]
-
-# fusepass's relative error to float64 may exceed eager's by this factor, plus a floor of a few units
-# of fp32 roundoff (all reductions accumulate in fp32; two equally exact summation orders land a few
-# ulps apart). The floor is far below eager's own error for bf16/fp16 results.
-SLACK = 1.5
-FLOOR = 4 * torch.finfo(torch.float32).eps
-
 
 SOFTMAX_SPELLINGS = {
     "module": lambda t: nn.Softmax(dim=1)(t),
@@ -90,11 +85,6 @@ def randomize_batch_norm(bn: nn.BatchNorm1d) -> None:
             bn.running_var.copy_(torch.rand_like(bn.running_var) + 0.5)
 
 
-def rel_error(value: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
-    return ((value.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-
 def assert_no_further_from_float64(what: str, fused: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor) -> None:
     _check_errors(what, *_errors(what, fused, eager, ref))
 
@@ -106,7 +96,7 @@ def _errors(what, fused, eager, ref) -> tuple[float, float]:
 
 
 def _check_errors(what: str, fused_err: float, eager_err: float) -> None:
-    assert fused_err <= SLACK * eager_err + FLOOR, (
+    assert no_further_than_eager(fused_err, eager_err), (
         f"{what}: fusepass is {fused_err:.3g} from float64, eager {eager_err:.3g}")
 
 

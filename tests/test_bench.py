@@ -34,7 +34,7 @@ def test_cli_reports_verdicts_and_writes_json(tmp_path, capsys):
     for r in results:
         assert r["correct"] is True and r["failure"] is None
         assert 0 < r["median_ms"] and r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
-        assert r["rel_error"] < 1e-5 and r["stats_match_eager"] is True
+        assert r["rel_error"] < 1e-5 and r["stats_match_eager"] is True and r["allclose"] is True
         assert r["peak_mb"] is None  # not measured on CPU: null, not NaN
     eager = [r for r in results if r["provider"] == "eager"]
     assert all(r["speedup_vs_eager"] == 1.0 for r in eager)
@@ -47,7 +47,18 @@ def test_cli_backward_checks_gradients(tmp_path):
     assert status == 0
     results = json.loads(out_json.read_text())["results"]
     assert [r["provider"] for r in results] == ["eager", "fusepass"]  # eager is always the baseline
-    assert all(r["correct"] and 0 < r["grad_rel_error"] < 1e-4 for r in results)
+    assert all(r["correct"] and r["grad_allclose"] and 0 < r["grad_rel_error"] < 1e-4 for r in results)
+
+
+def test_tolerance_too_tight_for_everyone_is_not_a_wrong_verdict(tmp_path):
+    """At atol = rtol = 1e-12 no fp32 result is allclose to float64, eager's included: a provider as
+    close to float64 as eager is still correct, and the allclose column says no."""
+    out_json = tmp_path / "bench.json"
+    status = bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), *FAST, "--atol", "1e-12", "--rtol", "1e-12",
+                         "--json", str(out_json)])
+    assert status == 0
+    results = json.loads(out_json.read_text())["results"]
+    assert all(r["correct"] and r["allclose"] is False for r in results)
 
 
 def test_wrong_provider_is_reported_wrong_and_not_timed(tmp_path, monkeypatch, capsys):
@@ -101,3 +112,25 @@ def test_shrink_divides_every_size():
 def test_console_script_is_installed():
     result = subprocess.run(["fusepass-bench", "--help"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "--precision" in result.stdout and "--shrink" in result.stdout
+
+
+def test_drifting_running_statistics_are_reported_wrong(tmp_path, monkeypatch):
+    real = bench.make_provider
+
+    def drifting(name, model):
+        fn = real(name, model)
+        if name != "fusepass":
+            return fn
+
+        def call(*inputs):
+            out = fn(*inputs)
+            with torch.no_grad():
+                model.bn.running_var.mul_(1.01)
+            return out
+        return call
+
+    monkeypatch.setattr(bench, "make_provider", drifting)
+    out_json = tmp_path / "bench.json"
+    assert bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), *FAST, "--json", str(out_json)]) == 1
+    [wrong] = [r for r in json.loads(out_json.read_text())["results"] if r["provider"] == "fusepass"]
+    assert not wrong["correct"] and "running statistics" in wrong["failure"] and wrong["stats_match_eager"] is False
