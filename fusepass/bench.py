@@ -183,8 +183,11 @@ class Run:
         self.rtol = cfg.rtol if cfg.rtol is not None else default_tol
 
     def call(self, provider: str, inputs: list, upstream: Optional[torch.Tensor] = None):
-        """Forward (and with --backward, backward of sum(out * upstream)) of one provider."""
-        with precision_context(self.precision, self.cfg.device):
+        """Forward (and with --backward, backward of sum(out * upstream)) of one provider. Eval without
+        --backward is inference and runs under no_grad; train runs with grad enabled, as a training
+        step's forward does."""
+        grad = self.cfg.backward or self.mode == "train"
+        with precision_context(self.precision, self.cfg.device), torch.set_grad_enabled(grad):
             out = self.fns[provider](*inputs)
         if self.cfg.backward:
             (out.float() * (upstream if upstream is not None else 1.0)).sum().backward()
@@ -194,7 +197,8 @@ class Run:
         for seed in range(self.cfg.seeds):
             torch.manual_seed(INPUT_SEED + seed)
             inputs = to_device(self.module.get_inputs(), self.cfg.device)
-            ref_out = self.reference(*to_device(inputs, self.cfg.device, torch.float64))
+            with torch.set_grad_enabled(self.cfg.backward or self.mode == "train"):
+                ref_out = self.reference(*to_device(inputs, self.cfg.device, torch.float64))
             upstream = torch.randn(ref_out.shape, device=self.cfg.device, dtype=torch.float64)
             if self.cfg.backward:
                 (ref_out * upstream).sum().backward()
