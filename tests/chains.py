@@ -4,13 +4,16 @@ criterion.
 "Numerically identical" means: fusepass is no further from a float64 copy of the model than eager
 PyTorch is. Each comparison measures both against the float64 run on the same inputs. A one-element
 quantity (the gradient of a (1,) or 0-d scale) is a single sample of rounding noise per step, so for
-those the criterion is applied to the RMS error over all steps of a run (Trio.finish).
+those the criterion is applied to their values over all steps of a run, taken as one vector
+(Trio.finish): the same norm-wise relative error as for any tensor, where a step whose exact value is
+near 0 does not blow up the way a per-step relative error does. Measured on an H200 for the
+post-batch-norm scale of a softmax chain: over 24 steps fusepass and eager each won 12, and single-step
+errors of both ranged over two orders of magnitude.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Optional
@@ -108,7 +111,7 @@ class Trio:
     fused: nn.Module
     ref: nn.Module
     compiled: object
-    scalar_errors: dict = field(default_factory=dict)  # what -> [(fused error, eager error)] per step
+    scalar_values: dict = field(default_factory=dict)  # what -> [(fused, eager, float64 value)] per step
 
     @classmethod
     def of(cls, model: nn.Module, options: Optional[dict] = None, mode: Optional[str] = None) -> "Trio":
@@ -119,15 +122,15 @@ class Trio:
     def compare(self, what: str, fused: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor) -> None:
         errors = _errors(what, fused, eager, ref)
         if fused.numel() == 1:
-            self.scalar_errors.setdefault(what, []).append(errors)
+            self.scalar_values.setdefault(what, []).append(tuple(t.double().item() for t in (fused, eager, ref)))
         else:
             _check_errors(what, *errors)
 
     def finish(self) -> None:
-        """The criterion for one-element quantities, on their RMS error over the steps run so far."""
-        for what, pairs in self.scalar_errors.items():
-            fused_rms, eager_rms = (math.sqrt(sum(e * e for e in errs) / len(errs)) for errs in zip(*pairs))
-            _check_errors(f"{what} (RMS over {len(pairs)} steps)", fused_rms, eager_rms)
+        """The criterion for one-element quantities, on their values over the steps run so far."""
+        for what, values in self.scalar_values.items():
+            fused, eager, ref = (torch.tensor(v, dtype=torch.float64) for v in zip(*values))
+            _check_errors(f"{what} (over {len(values)} steps)", rel_error(fused, ref), rel_error(eager, ref))
 
     def train(self, mode: bool) -> None:
         for m in (self.eager, self.fused, self.ref):

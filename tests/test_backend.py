@@ -27,7 +27,14 @@ VARIANTS = {
 }
 
 
-def run_train_then_eval(model, device, *, steps=3, batch=64, autocast_dtype=None, options=None):
+# Softmax chains with a one-element scale after batch norm: that scale's gradient is one heavy-tailed
+# sample of rounding noise per step (fusepass's and eager's errors each span two orders of magnitude;
+# over 36 bf16 steps fusepass's RMS error was 0.033, eager's 0.078), so these runs take enough steps
+# for the criterion over all steps (tests/chains.py) to mean something.
+NOISY_SCALAR_STEPS = 24
+
+
+def run_train_then_eval(model, device, *, steps=8, batch=64, autocast_dtype=None, options=None):
     trio = Trio.of(model.to(device), options=options)
     for training in (True, False):
         trio.train(training)
@@ -62,7 +69,9 @@ FAMILY_VARIANTS = {
 @pytest.mark.parametrize("variant", FAMILY_VARIANTS)
 def test_family_members_match_eager_by_float64_criterion(variant, device):
     torch.manual_seed(10)
-    run_train_then_eval(ChainModel(**FAMILY_VARIANTS[variant]), device)
+    kwargs = FAMILY_VARIANTS[variant]
+    noisy = kwargs.get("softmax") and kwargs.get("scale_after") in ("single", "zero_dim")
+    run_train_then_eval(ChainModel(**kwargs), device, steps=NOISY_SCALAR_STEPS if noisy else 8)
     assert fusepass_stats() == {"graphs": 2, "rewrites": 2}
 
 
@@ -70,7 +79,8 @@ def test_family_members_match_eager_by_float64_criterion(variant, device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_softmax_chain(dtype, device):
     torch.manual_seed(11)
-    run_train_then_eval(ChainModel(scale=None, scale_after="single", softmax="module").to(dtype), device)
+    run_train_then_eval(ChainModel(scale=None, scale_after="single", softmax="module").to(dtype), device,
+                        steps=NOISY_SCALAR_STEPS)
     assert fusepass_stats() == {"graphs": 2, "rewrites": 2}
 
 
@@ -78,7 +88,7 @@ def test_low_precision_softmax_chain(dtype, device):
 def test_autocast_softmax_chain(device):
     torch.manual_seed(12)
     run_train_then_eval(ChainModel(scale=None, scale_after="single", softmax="module"), device,
-                        autocast_dtype=torch.bfloat16)
+                        steps=NOISY_SCALAR_STEPS, autocast_dtype=torch.bfloat16)
     assert fusepass_stats() == {"graphs": 2, "rewrites": 2}
 
 
@@ -117,7 +127,9 @@ def test_momentum_none_is_correct_and_fused_only_without_graph_break():
     a Dynamo graph break that puts batch_norm in a graph of its own, before any backend sees it, and
     Dynamo keeps that split for eval too. Compiled fresh in eval mode there is no break: one rewrite."""
     torch.manual_seed(4)
-    run_train_then_eval(ChainModel(momentum=None), "cpu")
+    # No pre-BN scale and no linear bias: unfused, their training gradients (exactly ~0) would compare
+    # Inductor's rounding noise with eager's, which says nothing about fusepass.
+    run_train_then_eval(ChainModel(momentum=None, scale=None, bias=False), "cpu")
     assert fusepass_stats()["rewrites"] == 0
 
     torch._dynamo.reset()

@@ -27,7 +27,7 @@ def problem_setup(name, shrink_to=None):
     return (problem, *problem_sizes(problem, shrink_to))
 
 
-def check_problem(name, device, *, shrink_to=None, steps=2):
+def check_problem(name, device, *, shrink_to=None, steps=8):
     problem, init, batch = problem_setup(name, shrink_to)
     torch.manual_seed(0)
     trio = Trio.of(problem.Model(*init).to(device))

@@ -533,7 +533,12 @@ def _backward(ctx, grad_out, *_grads_of_non_differentiable_outputs):
         g = p * (g - (g * p).sum(1, keepdim=True))
     grad_scale_after = None
     if need[SCALE_AFTER] and scale_after is not None:
-        grad_scale_after = _reduce_to(g * _affine(x_hat, bn_weight, bn_bias), scale_after)
+        bn_out = _affine(x_hat, bn_weight, bn_bias)
+        if ctx.softmax and scale_after.numel() == 1:
+            # Each row of the softmax gradient sums to exactly 0, so a one-element scale's gradient is a
+            # covariance under p: centring bn_out per row removes the rounding of that 0 from the sum.
+            bn_out = bn_out - (p * bn_out).sum(1, keepdim=True)
+        grad_scale_after = _reduce_to(g * bn_out, scale_after)
     g = g * _as_factor(scale_after, ctx.scale_after_value)  # now the gradient w.r.t. the batch_norm output
 
     g_hat = g * bn_weight.float() if bn_weight is not None else g
