@@ -437,7 +437,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[list[str], Config, arg
     parser.add_argument("--mode", nargs="+", choices=("train", "eval"), default=["train"])
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["fp32"])
     parser.add_argument("--backward", action="store_true", help="time (and check) forward + backward")
-    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=["eager", "inductor", "fusepass"])
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=["eager", "inductor", "fusepass"],
+                        help="max-autotune is Inductor in mode max-autotune-no-cudagraphs; eager always runs")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shrink", type=int, default=1, metavar="F", help="divide every size in the problem by F")
     parser.add_argument("--seeds", type=int, default=5, help="fresh input draws for the correctness check")
