@@ -95,8 +95,8 @@ def _affine(x_hat: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> 
 
 def _updated_running_stats(n, mean, var, running_mean, running_var, training, momentum):
     if not training or running_mean is None:
-        empty = mean.new_empty(0)
-        return empty, empty.clone()
+        dtype = running_mean.dtype if running_mean is not None else torch.float32  # as the fake says
+        return mean.new_empty(0, dtype=dtype), mean.new_empty(0, dtype=dtype)
     unbiased_var = var * (n / (n - 1))
     new_mean = momentum * mean + (1.0 - momentum) * running_mean.float()
     new_var = momentum * unbiased_var + (1.0 - momentum) * running_var.float()

@@ -124,6 +124,19 @@ def test_opcheck(device, training, scale):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("keep_linear", [True, False])
+def test_fake_matches_real_outputs_bf16(device, training, keep_linear):
+    """Shapes and dtypes of all six outputs agree between the fake and the real kernel."""
+    case = make_case(7, 5, 6, dtype=torch.bfloat16, device=device)
+    args = (*case.values(), training, 0.1, 1e-5, torch.bfloat16, keep_linear, None, 1.0, True)
+    real = OP(*args)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = OP(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    assert [(t.shape, t.dtype) for t in real] == [(t.shape, t.dtype) for t in fake]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("scale", ["per_feature", "single", "number"])
 def test_backward_matches_eager_autograd(device, training, scale):
     """The op's registered backward against eager autograd through the unfused chain, by float64."""
