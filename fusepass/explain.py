@@ -10,18 +10,11 @@ from typing import Any
 
 import torch
 from tabulate import tabulate
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
 from fusepass.pattern import Match, Miss, meta_value
 
 _dump_counter = itertools.count()
-
-
-def _value_summary(node: Any) -> str:
-    value = meta_value(node)
-    if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
-    return repr(node) if not isinstance(node, Node) else node.name
 
 
 def describe_match(match: Match, graph_index: int) -> dict[str, Any]:
