@@ -33,7 +33,7 @@ def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] 
     opts = Options.parse(mode, options)
     original = copy_graph_module(gm)
     try:
-        matches, misses = rewrite(gm)
+        matches, misses = rewrite(gm, opts.kernel)
         stats["graphs"] += 1
         stats["rewrites"] += len(matches)
         report = Report()

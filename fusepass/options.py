@@ -13,13 +13,31 @@ from typing import Any, Optional
 import torch._inductor
 from torch._inductor import config as inductor_config
 
+from fusepass.lowering.linear_scale_batch_norm import FP32_MATMUL, GEMM_CHOICES
+
 DEBUG_DIR_ENV = "FUSEPASS_DEBUG_DIR"
 FALLBACKS = ("inductor", "eager")
 # fusepass's own keys and what they mean; every other key must be an Inductor config key.
 FUSEPASS_KEYS = {
     "debug_dir": "write each graph before/after rewriting and its match report here (env FUSEPASS_DEBUG_DIR)",
     "fallback": "what a graph falls back to if rewriting or compiling the fused op fails: 'inductor' or 'eager'",
+    "fp32_matmul": "fp32 GEMMs when torch does not allow TF32: 'tf32x3' (default; fp32-accurate on tensor "
+                   "cores) or 'ieee' (plain fp32 FMA); with TF32 allowed they use TF32, as eager",
+    "gemm": "the fused ops' GEMM: 'auto' (default; time Triton and cuBLAS per shape, cached on disk), "
+            "'triton' or 'cublas'",
 }
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """What the fused ops are told about how to run (arguments of each fused op in the graph)."""
+    fp32_matmul: str = "tf32x3"
+    gemm: str = "auto"
+
+    def __post_init__(self):
+        for key, value, valid in (("fp32_matmul", self.fp32_matmul, FP32_MATMUL), ("gemm", self.gemm, GEMM_CHOICES)):
+            if value not in valid:
+                raise ValueError(f"fusepass: options[{key!r}] must be one of {valid}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -27,6 +45,7 @@ class Options:
     mode: str = "default"
     debug_dir: Optional[str] = None
     fallback: str = "inductor"
+    kernel: KernelOptions = KernelOptions()
     inductor_patches: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -44,7 +63,8 @@ class Options:
         patches.update(_inductor_patches(options))
         _key_caches_on_fusepass_source(patches)
         debug_dir = own.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
-        return cls(mode=mode, debug_dir=debug_dir, fallback=fallback, inductor_patches=patches)
+        kernel = KernelOptions(**{key: own[key] for key in ("fp32_matmul", "gemm") if key in own})
+        return cls(mode=mode, debug_dir=debug_dir, fallback=fallback, kernel=kernel, inductor_patches=patches)
 
 
 def _inductor_patches(options: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from fusepass.lowering import linear_scale_batch_norm  # noqa: F401  (registers the op)
+from fusepass.options import KernelOptions
 from fusepass.pattern import Match, Miss, ScaleArgs, find_chains, meta_value
 
 FUSED_OP = torch.ops.fusepass.linear_scale_batch_norm.default
@@ -34,7 +35,7 @@ def _scale_args(scale: Optional[ScaleArgs]) -> tuple[Optional[Node], float]:
     return None, float(scale.scale)
 
 
-def replace_chain(graph: Graph, match: Match, replaced: dict[Node, Node]) -> Node:
+def replace_chain(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: KernelOptions) -> Node:
     """Replaces one matched chain by FUSED_OP; returns the node that now stands for the chain's output.
     `replaced` maps the last nodes of chains replaced earlier to their new nodes (a chain may feed another)."""
     linear, bn = match.get("linear"), match.get("batch_norm")
@@ -59,6 +60,7 @@ def replace_chain(graph: Graph, match: Match, replaced: dict[Node, Node]) -> Nod
             bool(result.requires_grad),  # keep the linear output for the backward only if one is needed
             arg(scale_after), scale_after_value,
             match.get("softmax") is not None,
+            kernel.fp32_matmul, kernel.gemm,
         ))
         out = graph.call_function(operator.getitem, (fused, OUT))
         out.meta.update(last.meta)
@@ -72,12 +74,12 @@ def replace_chain(graph: Graph, match: Match, replaced: dict[Node, Node]) -> Nod
     return out
 
 
-def rewrite(gm: GraphModule) -> tuple[list[Match], list[Miss]]:
+def rewrite(gm: GraphModule, kernel: KernelOptions = KernelOptions()) -> tuple[list[Match], list[Miss]]:
     """Rewrites every match in `gm` in place. Returns the matches (now replaced) and the misses."""
     matches, misses = find_chains(gm.graph)
     replaced: dict[Node, Node] = {}
     for match in matches:
-        replaced[match.last] = replace_chain(gm.graph, match, replaced)
+        replaced[match.last] = replace_chain(gm.graph, match, replaced, kernel)
     if matches:
         gm.graph.lint()
         gm.recompile()

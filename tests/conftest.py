@@ -10,6 +10,16 @@ if not torch.cuda.is_available():
 
 from torch._dynamo.utils import counters  # noqa: E402
 
+from fusepass.lowering import tuning  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def untuned(tmp_path_factory, monkeypatch):
+    """Tests take each op's default implementation unless they ask for tuning (tests/lowering/
+    test_tuning.py; the GPU benchmark tunes for real), and never touch the user's tuning cache."""
+    monkeypatch.setenv(tuning.TUNE_ENV, os.environ.get(tuning.TUNE_ENV, "0"))
+    monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(tmp_path_factory.getbasetemp() / "fusepass-cache"))
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():

@@ -235,7 +235,7 @@ def test_bad_fallback_value_is_rejected():
 
 @pytest.mark.parametrize("fallback", ["inductor", "eager"])
 def test_failed_rewrite_falls_back_with_one_warning(monkeypatch, fallback):
-    def broken_rewrite(gm):
+    def broken_rewrite(gm, *args):
         raise RuntimeError("simulated rewrite failure")
 
     monkeypatch.setattr(fusepass.backend, "rewrite", broken_rewrite)
@@ -270,3 +270,31 @@ def test_fused_op_failing_at_first_call_falls_back_without_double_update(monkeyp
     messages = [str(w.message) for w in caught if issubclass(w.category, FusepassFallbackWarning)]
     assert len(messages) == 1 and "simulated kernel failure" in messages[0]
     assert torch.equal(trio.fused.bn.num_batches_tracked, trio.eager.bn.num_batches_tracked)
+
+
+# --------------------------------------------------------------------------- each GEMM implementation on a GPU
+
+CUDA_ONLY = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("gemm", ["triton", "cublas"])
+@pytest.mark.parametrize("precision", ["fp32", "fp32-ieee", "tf32", "bf16-autocast"])
+@pytest.mark.parametrize("tail", ["bn", "scale_softmax"])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY)], ids=["cuda"])
+def test_each_gemm_implementation_end_to_end(gemm, precision, tail, _, monkeypatch):
+    """Shapes that are no multiple of any tile; training then eval, outputs, buffers, gradients."""
+    torch.manual_seed(11)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", precision == "tf32")
+    options = {"gemm": gemm, "fp32_matmul": "ieee" if precision == "fp32-ieee" else "tf32x3"}
+    model = ChainModel(96, 80, scale_after="per_feature" if tail == "scale_softmax" else None,
+                       softmax="functional" if tail == "scale_softmax" else None)
+    run_train_then_eval(model, "cuda", steps=3, batch=72, options=options,
+                        autocast_dtype=torch.bfloat16 if precision == "bf16-autocast" else None)
+    assert fusepass_stats()["rewrites"] >= 1
+
+
+def test_kernel_options_are_validated():
+    with pytest.raises(Exception, match="fp32_matmul"):
+        torch.compile(ChainModel(), backend="fusepass", options={"fp32_matmul": "fp16"})(make_input(6, 32))
+    with pytest.raises(Exception, match="gemm"):
+        torch.compile(ChainModel(), backend="fusepass", options={"gemm": "cutlass"})(make_input(6, 32))

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fusepass.pattern import find_chains
+from fusepass.options import KernelOptions
 from fusepass.rewrite import FUSED_OP, rewrite
 from tests.chains import ChainModel, make_input
 
@@ -177,7 +178,19 @@ def test_every_family_member_becomes_one_fused_op(member, training):
     leftovers = (torch._C._nn.linear, F.batch_norm, operator.mul, torch.mul, F.softmax, torch.softmax)
     assert count_calls(gm, leftovers) == 0 and count_methods(gm, "softmax") == 0
     [fused] = [n for n in gm.graph.nodes if n.target is FUSED_OP]
-    assert fused.args[-1] is ("softmax" in member)
+    assert op_arguments(fused)["softmax"] is ("softmax" in member)
+    assert (op_arguments(fused)["fp32_matmul"], op_arguments(fused)["gemm_choice"]) == ("tf32x3", "auto")
+
+
+def op_arguments(node):
+    return dict(zip([a.name for a in FUSED_OP._schema.arguments], node.args))
+
+
+def test_kernel_options_become_op_arguments():
+    gm = single_graph(ChainModel(), make_input(8, 32))
+    rewrite(gm, KernelOptions(fp32_matmul="ieee", gemm="cublas"))
+    [fused] = [n for n in gm.graph.nodes if n.target is FUSED_OP]
+    assert (op_arguments(fused)["fp32_matmul"], op_arguments(fused)["gemm_choice"]) == ("ieee", "cublas")
 
 
 @pytest.mark.parametrize("spelling", ["module", "functional", "torch", "method", "dtype"])

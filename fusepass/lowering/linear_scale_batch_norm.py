@@ -10,21 +10,31 @@ An absent scale is the number 1.0. In training the op also returns the updated r
 (momentum update, unbiased variance); the rewritten graph copies them into the module's buffers,
 because an op that mutates its inputs cannot carry an autograd formula.
 
-Contents, in order: the plain-PyTorch reference (also the CPU implementation), the Triton kernels, the
-launcher that runs them on a linear output, the op registration with its fake and autograd formulas.
+Two CUDA implementations, chosen per problem by timing (tuning.py, cached on disk): the Triton GEMM of
+gemm.py with the statistics (training) or the whole normalization (eval) in its epilogue, followed by
+the passes below; or cuBLAS's GEMM followed by a statistics pass and the same passes. The fp32 GEMM is
+3xTF32 (fp32-accurate) unless torch allows TF32 (then TF32, as eager) or the op is asked for IEEE FMA.
+
+Contents, in order: the plain-PyTorch reference (also the CPU implementation), the Triton passes, the
+launchers, the choice between implementations, the op registration with its fake and autograd formulas.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Optional
+import contextlib
+import functools
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra import libdevice
+
+from fusepass.lowering import gemm
+from fusepass.lowering.tiles import (INTERPRETED, batch_norm_tile, chan_merge, exp_accurate, inverse_std,
+                                     load_scale, scale_mode, tile_column_stats)
+from fusepass.lowering.tuning import TUNER
 
 OP_NAME = "fusepass::linear_scale_batch_norm"
 
@@ -104,34 +114,7 @@ def _updated_running_stats(n, mean, var, running_mean, running_var, training, mo
 
 
 # --------------------------------------------------------------------------- Triton kernels
-
-# How the scale enters the kernels.
-SCALE_NUMBER, SCALE_SINGLE, SCALE_PER_FEATURE = 0, 1, 2
-# Triton's interpreter (TRITON_INTERPRET=1, read when kernels are defined) has no libdevice.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _exp(x, ACCURATE_EXP: tl.constexpr):
-    """exp(x) within ~1 ulp. tl.exp compiles to a fast approximation whose error grows with |x|
-    (3x eager's softmax error at |x| ~ 200); eager's CUDA softmax uses libdevice's expf, and so do we.
-    The interpreter's tl.exp is numpy's exp, accurate already."""
-    if ACCURATE_EXP:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
-def _load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE: tl.constexpr):
-    """The scale as an fp32 vector over the columns, whatever form it came in."""
-    if SCALE_MODE == 2:
-        s = tl.load(scale_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    elif SCALE_MODE == 1:
-        s = tl.load(scale_ptr + cols * 0, mask=col_mask, other=0.0).to(tl.float32)
-    else:
-        s = tl.full(cols.shape, 1.0, tl.float32) * tl.cast(scale_value, tl.float32)
-    return s
+# (The GEMM with the statistics/normalize epilogue is in gemm.py; these are the passes after a GEMM.)
 
 
 @triton.jit
@@ -147,12 +130,13 @@ def _partial_stats_kernel(
     # meta-parameters
     SCALE_MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Per column, the mean and M2 of z = y * s over one strip of rows (Chan-merged tile by tile)."""
+    """Per column, the mean and M2 of z = y * s over one strip of rows (Chan-merged tile by tile).
+    Used after a cuBLAS GEMM; the Triton GEMM writes these in its epilogue instead."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
-    s = _load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
+    s = load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
 
     row_start = pid_r * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
@@ -164,17 +148,9 @@ def _partial_stats_kernel(
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
         y = tl.load(y_ptr + rows[:, None] * stride_yr + cols[None, :] * stride_yc, mask=mask, other=0.0)
-        z = y.to(tl.float32) * s[None, :]
         tile_count = tl.minimum(row_end - r0, BLOCK_R).to(tl.float32)
-        tile_mean = tl.sum(z, axis=0) / tile_count
-        centered = tl.where(mask, z - tile_mean[None, :], 0.0)
-        tile_m2 = tl.sum(centered * centered, axis=0)
-        # Chan et al.: merge (count, mean, m2) with the tile's.
-        total = count + tile_count
-        delta = tile_mean - mean
-        mean = mean + delta * (tile_count / total)
-        m2 = m2 + tile_m2 + delta * delta * (count * tile_count / total)
-        count = total
+        tile_mean, tile_m2 = tile_column_stats(y.to(tl.float32) * s[None, :], row_mask, tile_count)
+        count, mean, m2 = chan_merge(count, mean, m2, tile_count, tile_mean, tile_m2)
 
     out_offsets = pid_r * n_cols + cols
     tl.store(part_mean_ptr + out_offsets, mean, mask=col_mask)
@@ -196,7 +172,6 @@ def _finalize_stats_kernel(
     """Per column: merge the strips' statistics (Chan), emit mean/invstd, update the running statistics."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
-    eps = tl.cast(eps, tl.float32)
     if TRAINING:
         count = tl.zeros((BLOCK_C,), dtype=tl.float32)
         mean = tl.zeros((BLOCK_C,), dtype=tl.float32)
@@ -205,18 +180,13 @@ def _finalize_stats_kernel(
             part_count = tl.minimum(rows_per_part, n_rows - p * rows_per_part).to(tl.float32)
             part_mean = tl.load(part_mean_ptr + p * n_cols + cols, mask=col_mask, other=0.0)
             part_m2 = tl.load(part_m2_ptr + p * n_cols + cols, mask=col_mask, other=0.0)
-            total = count + part_count
-            delta = part_mean - mean
-            mean = mean + delta * (part_count / total)
-            m2 = m2 + part_m2 + delta * delta * (count * part_count / total)
-            count = total
+            count, mean, m2 = chan_merge(count, mean, m2, part_count, part_mean, part_m2)
         var = m2 / count
     else:
         mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         var = tl.load(running_var_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
-    invstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
     tl.store(mean_ptr + cols, mean, mask=col_mask)
-    tl.store(invstd_ptr + cols, invstd, mask=col_mask)
+    tl.store(invstd_ptr + cols, inverse_std(var, eps), mask=col_mask)
 
     if UPDATE_RUNNING:
         momentum = tl.cast(momentum, tl.float32)
@@ -237,17 +207,13 @@ def _normalized_tile(
 ):
     """u = ((y * s1 - mean) * invstd * gamma + beta) * s2 for one tile, in fp32."""
     mask = row_mask[:, None] & col_mask[None, :]
-    s = _load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
+    s = load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
     mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
     invstd = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
     y = tl.load(y_ptr + rows[:, None] * stride_yr + cols[None, :] * stride_yc, mask=mask, other=0.0)
-    u = (y.to(tl.float32) * s[None, :] - mean[None, :]) * invstd[None, :]
-    if HAS_GAMMA:
-        u = u * tl.load(gamma_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_BETA:
-        u = u + tl.load(beta_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    s2 = _load_scale(scale_after_ptr, scale_after_value, cols, col_mask, SCALE_AFTER_MODE)
-    return u * s2[None, :]
+    s2 = load_scale(scale_after_ptr, scale_after_value, cols, col_mask, SCALE_AFTER_MODE)
+    return batch_norm_tile(y.to(tl.float32), s, mean, invstd, gamma_ptr, beta_ptr, s2, cols, col_mask,
+                           HAS_GAMMA, HAS_BETA)
 
 
 @triton.jit
@@ -324,7 +290,7 @@ def _normalize_softmax_kernel(
         # While a row has seen only -inf, subtract 0 instead of -inf so that no -inf - -inf NaN appears
         # (a row that is -inf throughout still ends 0 / 0 = NaN, as in eager).
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        row_sum = row_sum * _exp(row_max - shift, ACCURATE_EXP) + tl.sum(_exp(u - shift[:, None], ACCURATE_EXP), axis=1)
+        row_sum = row_sum * exp_accurate(row_max - shift, ACCURATE_EXP) + tl.sum(exp_accurate(u - shift[:, None], ACCURATE_EXP), axis=1)
         row_max = new_max
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     for c0 in range(0, n_cols, BLOCK_C):
@@ -332,27 +298,104 @@ def _normalize_softmax_kernel(
             y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
             rows, c0, n_cols, row_mask, stride_yr, stride_yc, scale_value, scale_after_value,
             SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA, BLOCK_C)
-        p = tl.math.div_rn(_exp(u - shift[:, None], ACCURATE_EXP), row_sum[:, None])
+        p = tl.math.div_rn(exp_accurate(u - shift[:, None], ACCURATE_EXP), row_sum[:, None])
         tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
                  p.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-# --------------------------------------------------------------------------- launcher
+
+# --------------------------------------------------------------------------- launchers
 
 STATS_BLOCK_R, STATS_BLOCK_C = 32, 64
 NORM_BLOCK_R, NORM_BLOCK_C = 32, 64
 # Measured on an H200 for 1024 x 8192 (tools/tune_softmax.py): 2 rows x 2048 columns with 16 warps ran
 # in 0.035 ms against 0.058 ms for 4 x 1024 with 4 warps; the floor is 0.024 ms.
 SOFTMAX_BLOCK_R, SOFTMAX_MAX_BLOCK_C = 2, 2048
-FINALIZE_BLOCK_C = 128
+FINALIZE_BLOCK_C = 64
 # Rows each statistics program covers: enough strips to fill a GPU, few enough to keep partials small.
 TARGET_ROW_STRIPS = 64
 
 
-def _scale_mode(scale: Optional[Tensor]) -> int:
-    if scale is None:
-        return SCALE_NUMBER
-    return SCALE_PER_FEATURE if scale.numel() > 1 else SCALE_SINGLE
+def _fp32_vector(n: int, device) -> Tensor:
+    return torch.empty(n, device=device, dtype=torch.float32)
+
+
+def _new_running_stats(training: bool, running_mean, running_var, device) -> tuple[Tensor, Tensor]:
+    def like(running):
+        return torch.empty(_new_running_stat_shape(training, running), device=device,
+                           dtype=running.dtype if running is not None else torch.float32)
+    return like(running_mean), like(running_var)
+
+
+def partial_statistics(y: Tensor, scale: Optional[Tensor], scale_value: float) -> tuple[Tensor, Tensor, int]:
+    """Per strip of rows and column, mean and M2 of y * s: (part_mean, part_m2, rows per strip)."""
+    n_rows, n_cols = y.shape
+    rows_per_part = STATS_BLOCK_R * max(1, triton.cdiv(n_rows, STATS_BLOCK_R * TARGET_ROW_STRIPS))
+    n_parts = triton.cdiv(n_rows, rows_per_part)
+    part_mean = torch.empty((n_parts, n_cols), device=y.device, dtype=torch.float32)
+    part_m2 = torch.empty_like(part_mean)
+    _partial_stats_kernel[(n_parts, triton.cdiv(n_cols, STATS_BLOCK_C))](
+        y, scale if scale is not None else part_mean, part_mean, part_m2,
+        n_rows, n_cols, rows_per_part,
+        y.stride(0), y.stride(1),
+        scale_value,
+        SCALE_MODE=scale_mode(scale), BLOCK_R=STATS_BLOCK_R, BLOCK_C=STATS_BLOCK_C,
+    )
+    return part_mean, part_m2, rows_per_part
+
+
+def finalize_statistics(part_mean: Optional[Tensor], part_m2: Optional[Tensor], rows_per_part: int,
+                        n_rows: int, n_cols: int, running_mean, running_var, training, momentum, eps, device):
+    """Merges the strips' statistics (training) or reads the running ones (eval). Returns
+    (mean, invstd, new_running_mean, new_running_var); the last two are empty unless training with
+    running statistics."""
+    mean, invstd = _fp32_vector(n_cols, device), _fp32_vector(n_cols, device)
+    new_mean, new_var = _new_running_stats(training, running_mean, running_var, device)
+    placeholder = mean  # for absent optional tensors; the kernel never reads it
+    _finalize_stats_kernel[(triton.cdiv(n_cols, FINALIZE_BLOCK_C),)](
+        part_mean if training else placeholder, part_m2 if training else placeholder,
+        running_mean if running_mean is not None else placeholder,
+        running_var if running_var is not None else placeholder,
+        mean, invstd, new_mean, new_var,
+        n_rows, n_cols, part_mean.shape[0] if training else 0, rows_per_part,
+        momentum, eps,
+        TRAINING=training, UPDATE_RUNNING=training and running_mean is not None, BLOCK_C=FINALIZE_BLOCK_C,
+    )
+    return mean, invstd, new_mean, new_var
+
+
+def output_pass(y: Tensor, scale, scale_value, mean, invstd, bn_weight, bn_bias, scale_after, scale_after_value,
+                softmax: bool, out: Tensor) -> Tensor:
+    """Writes out = [softmax](((y * s1 - mean) * invstd * gamma + beta) * s2). `out` may be y itself:
+    every program reads a tile (or a row) before it writes it, and nothing else reads it."""
+    n_rows, n_cols = y.shape
+    placeholder = mean  # for absent optional tensors; the kernels never read it
+    args = (
+        y, scale if scale is not None else placeholder, mean, invstd,
+        bn_weight if bn_weight is not None else placeholder, bn_bias if bn_bias is not None else placeholder,
+        scale_after if scale_after is not None else placeholder, out,
+        n_rows, n_cols,
+        y.stride(0), y.stride(1), out.stride(0), out.stride(1),
+        scale_value, scale_after_value,
+    )
+    meta = dict(SCALE_MODE=scale_mode(scale), SCALE_AFTER_MODE=scale_mode(scale_after),
+                HAS_GAMMA=bn_weight is not None, HAS_BETA=bn_bias is not None)
+    if softmax:
+        block_c = min(SOFTMAX_MAX_BLOCK_C, triton.next_power_of_2(n_cols))
+        _normalize_softmax_kernel[(triton.cdiv(n_rows, SOFTMAX_BLOCK_R),)](
+            *args, **meta, BLOCK_R=SOFTMAX_BLOCK_R, BLOCK_C=block_c, ACCURATE_EXP=not INTERPRETED,
+            num_warps=max(4, min(16, block_c // 128)))
+    else:
+        _normalize_kernel[(triton.cdiv(n_rows, NORM_BLOCK_R), triton.cdiv(n_cols, NORM_BLOCK_C))](
+            *args, **meta, BLOCK_R=NORM_BLOCK_R, BLOCK_C=NORM_BLOCK_C)
+    return out
+
+
+def _output_buffer(y: Tensor, out_dtype: torch.dtype, keep_linear: bool) -> Tensor:
+    """Where the output goes: over y when y is not returned (saves an (N, F) buffer), else a new tensor."""
+    if not keep_linear and y.dtype == out_dtype and y.is_contiguous():
+        return y
+    return torch.empty(y.shape, device=y.device, dtype=out_dtype)
 
 
 def scale_batch_norm(
@@ -370,76 +413,150 @@ def scale_batch_norm(
     scale_after: Optional[Tensor] = None,
     scale_after_value: float = 1.0,
     softmax: bool = False,
+    out: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Runs the Triton kernels on a linear output y of shape (N, F).
+    """The passes after a GEMM that did not compute statistics (cuBLAS), on its output y of shape (N, F).
 
     Returns (out, new_running_mean, new_running_var, mean, invstd). Training: one statistics pass over
     y, a merge over F-sized vectors, then one output pass (elementwise, or row-wise with the softmax).
-    Eval: the output pass only.
+    Eval: the output pass, after a tiny kernel that turns the running variance into invstd.
     """
     n_rows, n_cols = y.shape
     if not training and running_mean is None:
         raise ValueError("batch_norm in eval mode needs running statistics")
     check_batch_size(training, y)
-    mean, invstd, new_mean, new_var = _statistics(y, scale, scale_value, running_mean, running_var,
-                                                  training, momentum, eps)
-
-    out = torch.empty((n_rows, n_cols), device=y.device, dtype=out_dtype)
-    placeholder = mean  # passed for absent optional tensors; the kernels never read it
-    args = (
-        y, scale if scale is not None else placeholder, mean, invstd,
-        bn_weight if bn_weight is not None else placeholder, bn_bias if bn_bias is not None else placeholder,
-        scale_after if scale_after is not None else placeholder, out,
-        n_rows, n_cols,
-        y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        scale_value, scale_after_value,
-    )
-    meta = dict(SCALE_MODE=_scale_mode(scale), SCALE_AFTER_MODE=_scale_mode(scale_after),
-                HAS_GAMMA=bn_weight is not None, HAS_BETA=bn_bias is not None)
-    if softmax:
-        block_c = min(SOFTMAX_MAX_BLOCK_C, triton.next_power_of_2(n_cols))
-        _normalize_softmax_kernel[(triton.cdiv(n_rows, SOFTMAX_BLOCK_R),)](
-            *args, **meta, BLOCK_R=SOFTMAX_BLOCK_R, BLOCK_C=block_c, ACCURATE_EXP=not INTERPRETED,
-            num_warps=max(4, min(16, block_c // 128)))
-    else:
-        _normalize_kernel[(triton.cdiv(n_rows, NORM_BLOCK_R), triton.cdiv(n_cols, NORM_BLOCK_C))](
-            *args, **meta, BLOCK_R=NORM_BLOCK_R, BLOCK_C=NORM_BLOCK_C)
+    parts = partial_statistics(y, scale, scale_value) if training else (None, None, 0)
+    mean, invstd, new_mean, new_var = finalize_statistics(*parts, n_rows, n_cols, running_mean, running_var,
+                                                          training, momentum, eps, y.device)
+    if out is None:
+        out = torch.empty((n_rows, n_cols), device=y.device, dtype=out_dtype)
+    output_pass(y, scale, scale_value, mean, invstd, bn_weight, bn_bias, scale_after, scale_after_value,
+                softmax, out)
     return out, new_mean, new_var, mean, invstd
 
 
-def _statistics(y, scale, scale_value, running_mean, running_var, training, momentum, eps):
-    """Per-feature (mean, invstd) used to normalize, and the updated running statistics (empty unless
-    training with running statistics)."""
-    n_rows, n_cols = y.shape
-    fp32 = dict(device=y.device, dtype=torch.float32)
-    mean = torch.empty(n_cols, **fp32)
-    invstd = torch.empty(n_cols, **fp32)
-    new_mean = torch.empty(_new_running_stat_shape(training, running_mean), device=y.device,
-                           dtype=running_mean.dtype if running_mean is not None else torch.float32)
-    new_var = torch.empty(_new_running_stat_shape(training, running_var), device=y.device,
-                          dtype=running_var.dtype if running_var is not None else torch.float32)
-
-    rows_per_part = STATS_BLOCK_R * max(1, triton.cdiv(n_rows, STATS_BLOCK_R * TARGET_ROW_STRIPS))
-    n_parts = triton.cdiv(n_rows, rows_per_part) if training else 0
-    part_mean = torch.empty((n_parts, n_cols), **fp32)
-    part_m2 = torch.empty((n_parts, n_cols), **fp32)
+def gemm_batch_norm(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
+                    training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax,
+                    precision: str, config: gemm.GemmConfig):
+    """The op on the Triton GEMM: statistics (training) or the whole eval-mode normalization (without
+    softmax) in its epilogue. Training: GEMM, finalize, output pass. Eval: the GEMM alone, or GEMM and
+    the softmax pass. Returns the op's six outputs."""
+    if not training and running_mean is None:
+        raise ValueError("batch_norm in eval mode needs running statistics")
+    n_rows, n_cols = x.shape[0], weight.shape[0]
+    scales = dict(scale=scale, scale_value=scale_value)
     if training:
-        _partial_stats_kernel[(n_parts, triton.cdiv(n_cols, STATS_BLOCK_C))](
-            y, scale if scale is not None else mean, part_mean, part_m2,
-            n_rows, n_cols, rows_per_part,
-            y.stride(0), y.stride(1),
-            scale_value,
-            SCALE_MODE=_scale_mode(scale), BLOCK_R=STATS_BLOCK_R, BLOCK_C=STATS_BLOCK_C,
-        )
-    _finalize_stats_kernel[(triton.cdiv(n_cols, FINALIZE_BLOCK_C),)](
-        part_mean, part_m2,
-        running_mean if running_mean is not None else mean, running_var if running_var is not None else mean,
-        mean, invstd, new_mean, new_var,
-        n_rows, n_cols, n_parts, rows_per_part,
-        momentum, eps,
-        TRAINING=training, UPDATE_RUNNING=training and running_mean is not None, BLOCK_C=FINALIZE_BLOCK_C,
-    )
-    return mean, invstd, new_mean, new_var
+        g = gemm.linear_epilogue(x, weight, bias, precision, config, epilogue=gemm.STATISTICS, **scales)
+        mean, invstd, new_mean, new_var = finalize_statistics(
+            g.part_mean, g.part_m2, g.rows_per_part, n_rows, n_cols, running_mean, running_var,
+            training, momentum, eps, x.device)
+        y = g.y
+        out = output_pass(y, scale, scale_value, mean, invstd, bn_weight, bn_bias, scale_after, scale_after_value,
+                          softmax, _output_buffer(y, out_dtype, keep_linear))
+    else:
+        mean, invstd = _fp32_vector(n_cols, x.device), _fp32_vector(n_cols, x.device)
+        new_mean, new_var = _new_running_stats(training, running_mean, running_var, x.device)
+        eval_stats = dict(running_mean=running_mean, running_var=running_var, eps=eps, mean=mean, invstd=invstd)
+        if softmax:
+            g = gemm.linear_epilogue(x, weight, bias, precision, config, epilogue=gemm.LINEAR, **scales,
+                                     **eval_stats)
+            y = g.y
+            out = output_pass(y, scale, scale_value, mean, invstd, bn_weight, bn_bias, scale_after,
+                              scale_after_value, softmax, _output_buffer(y, out_dtype, keep_linear))
+        else:
+            g = gemm.linear_epilogue(
+                x, weight, bias, precision, config, epilogue=gemm.NORMALIZE, store_y=keep_linear, **scales,
+                **eval_stats, bn_weight=bn_weight, bn_bias=bn_bias, scale_after=scale_after,
+                scale_after_value=scale_after_value, out_dtype=out_dtype)
+            y, out = g.y, g.out
+    return out, new_mean, new_var, y if keep_linear else y.new_empty(0), mean, invstd
+
+
+def cublas_batch_norm(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
+                      training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax,
+                      precision: str):
+    """The op on cuBLAS's GEMM (F.linear, as eager) followed by the Triton passes."""
+    with _cublas_precision(precision):
+        y = F.linear(x, weight, bias)
+    out, new_mean, new_var, mean, invstd = scale_batch_norm(
+        y, scale, scale_value, bn_weight, bn_bias, running_mean, running_var, training, momentum, eps, out_dtype,
+        scale_after, scale_after_value, softmax, out=_output_buffer(y, out_dtype, keep_linear))
+    return out, new_mean, new_var, y if keep_linear else y.new_empty(0), mean, invstd
+
+
+@contextlib.contextmanager
+def _cublas_precision(precision: str):
+    """cuBLAS follows torch's global TF32 flag; the op's fp32 precision was resolved already."""
+    allow = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow
+
+
+# --------------------------------------------------------------------------- choosing an implementation
+
+FP32_MATMUL = ("tf32x3", "ieee")
+GEMM_CHOICES = ("auto", "triton", "cublas")
+
+
+def matmul_precision(dtype: torch.dtype, fp32_matmul: str) -> str:
+    """The GEMM precision for this call: bf16/fp16 natively; fp32 as the user allows it (TF32 when
+    torch allows TF32, as eager), else fp32-accurate 3xTF32, or IEEE FMA when asked for."""
+    if dtype != torch.float32:
+        return "native"
+    if fp32_matmul == "ieee":
+        return "ieee"
+    if torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "tf32x3"
+
+
+def implementations(x: Tensor, precision: str, gemm_choice: str) -> dict[str, Callable[..., tuple]]:
+    """Every way to run the op for inputs like x, by name, first the default; each takes the op's 17
+    leading arguments."""
+    candidates = {}
+    if gemm_choice in ("auto", "triton"):
+        precisions = [precision] + (["split_w"] if precision == "tf32x3" else [])
+        for p in precisions:
+            for config in gemm.gemm_configs(p, x.dtype):
+                candidates[f"triton {p} {config.describe()}"] = functools.partial(
+                    gemm_batch_norm, precision=p, config=config)
+    if gemm_choice in ("auto", "cublas"):
+        candidates["cublas"] = functools.partial(cublas_batch_norm, precision=precision)
+    return candidates
+
+
+def choose_implementation(args: tuple, precision: str, gemm_choice: str) -> Callable[..., tuple]:
+    """The implementation for these arguments: from a per-process table on a cheap key (this runs on
+    every call), else from the tuner (timing, or its disk cache)."""
+    (x, weight, bias, scale, _sv, bn_weight, bn_bias, running_mean, _rv, training, _m, _e, out_dtype,
+     keep_linear, scale_after, _sav, softmax) = args
+    key = (tuple(x.shape), weight.shape[0], x.dtype, x.device, precision, gemm_choice, training, softmax,
+           keep_linear, out_dtype, bias is None, scale_mode(scale), scale_mode(scale_after), bn_weight is None,
+           bn_bias is None, running_mean is None)
+    chosen = _CHOSEN.get(key)
+    if chosen is None:
+        candidates = implementations(x, precision, gemm_choice)
+        name = TUNER.choose(problem_key(args, precision, gemm_choice), x.device,
+                            {name: functools.partial(run, *args) for name, run in candidates.items()})
+        chosen = candidates[name]
+        if not torch.cuda.is_current_stream_capturing():  # a choice made during capture was not timed
+            _CHOSEN[key] = chosen
+    return chosen
+
+
+_CHOSEN: dict[tuple, Callable[..., tuple]] = {}
+
+
+def problem_key(args: tuple, precision: str, gemm_choice: str) -> str:
+    (x, weight, bias, scale, _sv, bn_weight, bn_bias, running_mean, _rv, training, _m, _e, out_dtype,
+     keep_linear, scale_after, _sav, softmax) = args
+    return (f"{OP_NAME} {x.shape[0]}x{x.shape[1]}->{weight.shape[0]} {x.dtype} {precision} gemm={gemm_choice} "
+            f"train={training} softmax={softmax} keep={keep_linear} out={out_dtype} bias={bias is not None} "
+            f"scale={scale_mode(scale)},{scale_mode(scale_after)} affine={bn_weight is not None},{bn_bias is not None} "
+            f"running={running_mean is not None}")
 
 
 # --------------------------------------------------------------------------- op registration
@@ -464,31 +581,49 @@ def linear_scale_batch_norm(
     scale_after: Optional[Tensor],
     scale_after_value: float,
     softmax: bool,
+    fp32_matmul: str,
+    gemm_choice: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (out, new_running_mean, new_running_var, linear_out, mean, invstd).
 
     new_running_* are empty unless training with running statistics; linear_out (kept for the
-    backward) is empty unless keep_linear.
+    backward) is empty unless keep_linear. fp32_matmul: "tf32x3" or "ieee" (see matmul_precision);
+    gemm_choice: "auto" (time both), "triton" or "cublas". Both only steer the CUDA implementation.
     """
+    _check_choices(fp32_matmul, gemm_choice)
     return reference(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
                      training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax)
 
 
+def _check_choices(fp32_matmul: str, gemm_choice: str) -> None:
+    if fp32_matmul not in FP32_MATMUL:
+        raise ValueError(f"fp32_matmul must be one of {FP32_MATMUL}, got {fp32_matmul!r}")
+    if gemm_choice not in GEMM_CHOICES:
+        raise ValueError(f"gemm must be one of {GEMM_CHOICES}, got {gemm_choice!r}")
+
+
+TRITON_GEMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 @linear_scale_batch_norm.register_kernel("cuda")
 def _cuda(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
-          training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax):
+          training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax,
+          fp32_matmul, gemm_choice):
+    _check_choices(fp32_matmul, gemm_choice)
     check_batch_size(training, x)
-    y = F.linear(x, weight, bias)  # cuBLAS, rounded to x's dtype like eager; the fused GEMM comes later
-    out, new_mean, new_var, mean, invstd = scale_batch_norm(
-        y, scale, scale_value, bn_weight, bn_bias, running_mean, running_var, training, momentum, eps, out_dtype,
-        scale_after, scale_after_value, softmax,
-    )
-    return out, new_mean, new_var, y if keep_linear else y.new_empty(0), mean, invstd
+    args = (x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
+            training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax)
+    if x.dtype not in TRITON_GEMM_DTYPES or weight.dtype != x.dtype:
+        gemm_choice = "cublas"
+    precision = matmul_precision(x.dtype, fp32_matmul)
+    return choose_implementation(args, precision, gemm_choice)(*args)
 
 
 @linear_scale_batch_norm.register_fake
 def _fake(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
-          training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax):
+          training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax,
+          fp32_matmul, gemm_choice):
+    _check_choices(fp32_matmul, gemm_choice)
     check_batch_size(training, x)
     n, f = x.shape[0], weight.shape[0]
     stats_dtype = running_mean.dtype if running_mean is not None else torch.float32
@@ -509,7 +644,8 @@ X, WEIGHT, BIAS, SCALE, BN_WEIGHT, BN_BIAS, SCALE_AFTER = 0, 1, 2, 3, 5, 6, 14
 
 def _setup_context(ctx, inputs, output):
     (x, weight, bias, scale, scale_value, bn_weight, bn_bias, _rm, _rv,
-     training, _momentum, eps, _out_dtype, keep_linear, scale_after, scale_after_value, softmax) = inputs
+     training, _momentum, eps, _out_dtype, keep_linear, scale_after, scale_after_value, softmax,
+     _fp32_matmul, _gemm_choice) = inputs
     out, new_mean, new_var, linear_out, mean, invstd = output
     ctx.mark_non_differentiable(new_mean, new_var, linear_out, mean, invstd)
     ctx.save_for_backward(x, weight, scale, bn_weight, bn_bias, scale_after, linear_out, mean, invstd,
@@ -556,7 +692,7 @@ def _backward(ctx, grad_out, *_grads_of_non_differentiable_outputs):
     grad_gamma = (g * x_hat).sum(0).to(bn_weight.dtype) if need[BN_WEIGHT] else None
     grad_beta = g.sum(0).to(bn_bias.dtype) if need[BN_BIAS] else None
     return (grad_x, grad_w, grad_b, grad_scale, None, grad_gamma, grad_beta,
-            None, None, None, None, None, None, None, grad_scale_after, None, None)
+            None, None, None, None, None, None, None, grad_scale_after, None, None, None, None)
 
 
 def _linear_bias_grad(ctx, grad_y):

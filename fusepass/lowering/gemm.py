@@ -1,0 +1,272 @@
+"""The fused operator's Triton GEMM: y = x @ W^T + b on tensor cores, with the BatchNorm chain's
+first steps in its epilogue, so that the (N, F) result is not read again just to get statistics.
+
+Epilogues (EPILOGUE meta-parameter):
+  LINEAR     store y (in x's dtype, like eager's linear);
+  STATISTICS store y, and per row-tile and feature the mean and M2 of z = y * s1 (merged later with
+             Chan's formula by the statistics-finalize kernel);
+  NORMALIZE  eval mode: store ((z - running_mean) * invstd * gamma + beta) * s2 directly (and y only
+             if the backward needs it).
+In eval mode the first row of programs also writes the per-feature mean and invstd the op returns.
+
+fp32 precisions (PRECISION meta-parameter): IEEE FMA, TF32 (what eager does when TF32 is allowed),
+TF32X3 (Triton's three-pass split: fp32-accurate on tensor cores), SPLIT_W (the same three passes with
+W split into tf32 hi + lo once, in memory, so the main loop splits only the x tile).
+bf16/fp16 inputs use the native dot, fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fusepass.lowering.tiles import batch_norm_tile, inverse_std, load_scale, scale_mode, tile_column_stats
+
+NATIVE, IEEE, TF32, TF32X3, SPLIT_W = 0, 1, 2, 3, 4
+PRECISIONS = {"native": NATIVE, "ieee": IEEE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W}
+LINEAR, STATISTICS, NORMALIZE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def describe(self) -> str:
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} "
+                f"w{self.num_warps} s{self.num_stages}")
+
+
+def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
+    """Candidate tile shapes, from one place, best first (measured on an H200 with tools/tune_gemm.py;
+    the first is the default when tuning is off). Three-pass fp32 keeps a second accumulator and the
+    split halves in registers, so it gets 128 x 128 tiles; small 64-row tiles are for small problems."""
+    if precision == "tf32x3":
+        return [GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(64, 64, 64, 8, 4, 3)]
+    if precision == "split_w":
+        return [GemmConfig(128, 128, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 8, 4)]
+    if precision == "ieee":
+        return [GemmConfig(128, 128, 32, 8, 8, 3), GemmConfig(64, 64, 32, 8, 4, 3)]
+    if precision == "tf32":
+        return [GemmConfig(128, 256, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 4, 4), GemmConfig(64, 64, 64, 8, 4, 3)]
+    return [GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(64, 64, 64, 8, 4, 3)]
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def tf32_split(a):
+    """a = hi + lo exactly, hi rounded to tf32's 10 mantissa bits (nearest, ties away from zero)."""
+    bits = a.to(tl.int32, bitcast=True)
+    hi = ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)  # -8192 == 0xFFFFE000
+    return hi, a - hi
+
+
+@triton.jit
+def _tf32_split_kernel(src_ptr, hi_ptr, lo_ptr, n_elements, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    hi, lo = tf32_split(tl.load(src_ptr + offsets, mask=mask, other=0.0))
+    tl.store(hi_ptr + offsets, hi, mask=mask)
+    tl.store(lo_ptr + offsets, lo, mask=mask)
+
+
+@triton.jit
+def _dot(a, b, b_lo, acc, PRECISION: tl.constexpr):
+    """acc + a @ b in the requested precision (b_lo: the low tf32 half of b, for SPLIT_W only)."""
+    if PRECISION == 1:
+        # FMA chains of one K block, then a plain add: error grows with BLOCK_K + K / BLOCK_K, not K.
+        acc += tl.dot(a, b, tl.zeros_like(acc), input_precision="ieee")
+    elif PRECISION == 2:
+        # Tensor cores truncate fp32 operands to tf32; rounding them to nearest first, as cuBLAS does,
+        # avoids a bias that grows with K (measured on an H200: 2.5x cuBLAS tf32's error in a gradient).
+        a_hi, _ = tf32_split(a)
+        b_hi, _ = tf32_split(b)
+        acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+    elif PRECISION == 3:
+        acc = tl.dot(a, b, acc, input_precision="tf32x3")
+    elif PRECISION == 4:
+        a_hi, a_lo = tf32_split(a)
+        # As Triton's tf32x3: the K block's three products go into a fresh accumulator (small ones
+        # first), added to the running sum by an ordinary, round-to-nearest fp32 add. Tensor cores
+        # truncate when they accumulate; running the whole K loop through them measured 2e-5 relative
+        # error at K = 4096 (linear in K) against 2e-7 this way.
+        block = tl.dot(a_lo, b, tl.zeros_like(acc), input_precision="tf32")
+        block = tl.dot(a_hi, b_lo, block, input_precision="tf32")
+        acc += tl.dot(a_hi, b, block, input_precision="tf32")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _linear_epilogue_kernel(
+    # pointers: GEMM operands
+    x_ptr, w_ptr, w_lo_ptr, bias_ptr,
+    # pointers: batch-norm parameters and statistics
+    scale_ptr, running_mean_ptr, running_var_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+    # pointers: outputs
+    y_ptr, out_ptr, part_mean_ptr, part_m2_ptr, mean_ptr, invstd_ptr,
+    # sizes
+    M, N, K,
+    # strides
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_om, stride_on,
+    # scalars
+    scale_value, scale_after_value, eps,
+    # meta-parameters
+    PRECISION: tl.constexpr, EPILOGUE: tl.constexpr, STORE_Y: tl.constexpr, EVAL_STATS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr,
+    HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    # Grouped tile order: GROUP_M row tiles share each W column tile while it is in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_pid_n
+    first_pid_m = (pid // group_size) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % group_size) % group_rows
+    pid_n = (pid % group_size) // group_rows
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # Out-of-range rows/columns wrap around for the loads (always in bounds, no masks in the main
+    # loop); their results are never stored.
+    x_ptrs = x_ptr + (rows % M)[:, None] * stride_xm + ks[None, :] * stride_xk
+    w_offsets = (cols % N)[None, :] * stride_wn + ks[:, None] * stride_wk
+    w_ptrs = w_ptr + w_offsets
+    w_lo_ptrs = w_lo_ptr + w_offsets
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            a = tl.load(x_ptrs, mask=(k0 + ks)[None, :] < K, other=0.0)
+            b = tl.load(w_ptrs, mask=(k0 + ks)[:, None] < K, other=0.0)
+        b_lo = b
+        if PRECISION == 4:
+            if EVEN_K:
+                b_lo = tl.load(w_lo_ptrs)
+            else:
+                b_lo = tl.load(w_lo_ptrs, mask=(k0 + ks)[:, None] < K, other=0.0)
+        acc = _dot(a, b, b_lo, acc, PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+        w_lo_ptrs += BLOCK_K * stride_wk
+
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    # Round to the linear's dtype as eager's linear does; everything after reads the rounded value.
+    y = acc.to(y_ptr.dtype.element_ty)
+    if STORE_Y:
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn, y, mask=mask)
+    y = y.to(tl.float32)
+
+    s = load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
+    if EPILOGUE == 1:
+        count = tl.minimum(M - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
+        tile_mean, tile_m2 = tile_column_stats(y * s[None, :], row_mask, count)
+        tl.store(part_mean_ptr + pid_m * N + cols, tile_mean, mask=col_mask)
+        tl.store(part_m2_ptr + pid_m * N + cols, tile_m2, mask=col_mask)
+    if EVAL_STATS:
+        mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        invstd = inverse_std(tl.load(running_var_ptr + cols, mask=col_mask, other=1.0).to(tl.float32), eps)
+        if pid_m == 0:
+            tl.store(mean_ptr + cols, mean, mask=col_mask)
+            tl.store(invstd_ptr + cols, invstd, mask=col_mask)
+        if EPILOGUE == 2:
+            s2 = load_scale(scale_after_ptr, scale_after_value, cols, col_mask, SCALE_AFTER_MODE)
+            u = batch_norm_tile(y, s, mean, invstd, gamma_ptr, beta_ptr, s2, cols, col_mask, HAS_GAMMA, HAS_BETA)
+            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
+                     u.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def split_tf32(t: Tensor) -> tuple[Tensor, Tensor]:
+    """(hi, lo) with t == hi + lo exactly and hi representable in tf32; contiguous copies."""
+    t = t.contiguous()
+    hi, lo = torch.empty_like(t), torch.empty_like(t)
+    block = 1024
+    _tf32_split_kernel[(triton.cdiv(t.numel(), block),)](t, hi, lo, t.numel(), BLOCK=block)
+    return hi, lo
+
+
+@dataclass
+class GemmOutputs:
+    y: Tensor                  # the linear output (empty when not stored)
+    out: Optional[Tensor]      # NORMALIZE: the op's output
+    part_mean: Optional[Tensor]  # STATISTICS: (row tiles, F)
+    part_m2: Optional[Tensor]
+    rows_per_part: int
+
+
+def linear_epilogue(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], precision: str, config: GemmConfig, *,
+    epilogue: int = LINEAR, store_y: bool = True,
+    scale: Optional[Tensor] = None, scale_value: float = 1.0,
+    running_mean: Optional[Tensor] = None, running_var: Optional[Tensor] = None, eps: float = 0.0,
+    bn_weight: Optional[Tensor] = None, bn_bias: Optional[Tensor] = None,
+    scale_after: Optional[Tensor] = None, scale_after_value: float = 1.0,
+    out_dtype: Optional[torch.dtype] = None, mean: Optional[Tensor] = None, invstd: Optional[Tensor] = None,
+) -> GemmOutputs:
+    """Runs the GEMM with its epilogue. `mean`/`invstd` (F-sized fp32) are filled from the running
+    statistics when given (eval mode)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_epilogue: bad shapes {tuple(x.shape)} @ {tuple(weight.shape)}^T")
+    if epilogue == NORMALIZE and mean is None:
+        raise ValueError("linear_epilogue: the NORMALIZE epilogue needs mean/invstd outputs (eval mode)")
+    m, k = x.shape
+    n = weight.shape[0]
+    device = x.device
+    w_lo = weight
+    if precision == "split_w":
+        weight, w_lo = split_tf32(weight)
+    y = torch.empty((m, n) if store_y else (0, 0), device=device, dtype=x.dtype)
+    out = torch.empty((m, n), device=device, dtype=out_dtype) if epilogue == NORMALIZE else None
+    n_parts = triton.cdiv(m, config.block_m) if epilogue == STATISTICS else 0
+    part_mean = torch.empty((n_parts, n), device=device, dtype=torch.float32)
+    part_m2 = torch.empty((n_parts, n), device=device, dtype=torch.float32)
+    placeholder = part_mean  # for absent optional tensors; the kernel never reads it
+    y_strides = (y.stride(0), y.stride(1)) if store_y else (0, 0)
+    out_strides = (out.stride(0), out.stride(1)) if out is not None else (0, 0)
+
+    def opt(t: Optional[Tensor]) -> Tensor:
+        return t if t is not None else placeholder
+
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    _linear_epilogue_kernel[grid](
+        x, weight, w_lo, opt(bias),
+        opt(scale), opt(running_mean), opt(running_var), opt(bn_weight), opt(bn_bias), opt(scale_after),
+        y, opt(out), part_mean, part_m2, opt(mean), opt(invstd),
+        m, n, k,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *y_strides, *out_strides,
+        scale_value, scale_after_value, eps,
+        PRECISION=PRECISIONS[precision] if x.dtype == torch.float32 else NATIVE,
+        EPILOGUE=epilogue, STORE_Y=store_y, EVAL_STATS=mean is not None,
+        HAS_BIAS=bias is not None, SCALE_MODE=scale_mode(scale), SCALE_AFTER_MODE=scale_mode(scale_after),
+        HAS_GAMMA=bn_weight is not None, HAS_BETA=bn_bias is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        EVEN_K=k % config.block_k == 0,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return GemmOutputs(y, out, part_mean if n_parts else None, part_m2 if n_parts else None, config.block_m)

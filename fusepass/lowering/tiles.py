@@ -1,0 +1,80 @@
+"""Triton helpers shared by the fused operator's kernels (the GEMM epilogue and the passes after it),
+so that every kernel computes the same expression, with the same rounding, for the same quantity."""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# How a scale enters the kernels: a Python number, a one-element tensor, or one value per feature.
+SCALE_NUMBER, SCALE_SINGLE, SCALE_PER_FEATURE = 0, 1, 2
+# Triton's interpreter (TRITON_INTERPRET=1, read when kernels are defined) has no libdevice.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def scale_mode(scale) -> int:
+    if scale is None:
+        return SCALE_NUMBER
+    return SCALE_PER_FEATURE if scale.numel() > 1 else SCALE_SINGLE
+
+
+@triton.jit
+def exp_accurate(x, ACCURATE_EXP: tl.constexpr):
+    """exp(x) within ~1 ulp. tl.exp compiles to a fast approximation whose error grows with |x|
+    (3x eager's softmax error at |x| ~ 200); eager's CUDA softmax uses libdevice's expf, and so do we.
+    The interpreter's tl.exp is numpy's exp, accurate already."""
+    if ACCURATE_EXP:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE: tl.constexpr):
+    """The scale as an fp32 vector over the columns, whatever form it came in."""
+    if SCALE_MODE == 2:
+        s = tl.load(scale_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    elif SCALE_MODE == 1:
+        s = tl.load(scale_ptr + cols * 0, mask=col_mask, other=0.0).to(tl.float32)
+    else:
+        s = tl.full(cols.shape, 1.0, tl.float32) * tl.cast(scale_value, tl.float32)
+    return s
+
+
+@triton.jit
+def inverse_std(var, eps):
+    """1 / sqrt(var + eps), both operations correctly rounded like eager's."""
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(var + tl.cast(eps, tl.float32)))
+
+
+@triton.jit
+def chan_merge(count, mean, m2, other_count, other_mean, other_m2):
+    """Chan et al.'s merge of two (count, mean, M2) summaries: stable, unlike E[z^2] - E[z]^2."""
+    total = count + other_count
+    delta = other_mean - mean
+    mean = mean + delta * (other_count / total)
+    m2 = m2 + other_m2 + delta * delta * (count * other_count / total)
+    return total, mean, m2
+
+
+@triton.jit
+def tile_column_stats(z, row_mask, count):
+    """Per column of a tile, the mean and M2 of its valid rows (`count` of them)."""
+    tile_mean = tl.sum(tl.where(row_mask[:, None], z, 0.0), axis=0) / count
+    centered = tl.where(row_mask[:, None], z - tile_mean[None, :], 0.0)
+    return tile_mean, tl.sum(centered * centered, axis=0)
+
+
+@triton.jit
+def batch_norm_tile(y, s, mean, invstd, gamma_ptr, beta_ptr, s2, cols, col_mask,
+                    HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr):
+    """u = ((y * s1 - mean) * invstd * gamma + beta) * s2 for an fp32 tile y, per-column vectors."""
+    u = (y * s[None, :] - mean[None, :]) * invstd[None, :]
+    if HAS_GAMMA:
+        u = u * tl.load(gamma_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BETA:
+        u = u + tl.load(beta_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return u * s2[None, :]

@@ -1,0 +1,110 @@
+"""Picks the fastest implementation of a fused op per problem (shape, dtypes, precision, mode) by timing
+every candidate once, and remembers the choice in memory and on disk, so that a second process does not
+tune again.
+
+The file is JSON, `$FUSEPASS_CACHE_DIR/tuning.json` (default `~/.cache/fusepass`), keyed by the GPU,
+the torch and triton versions, a hash of the kernels' source and the problem. FUSEPASS_TUNE=0 skips
+timing and takes each problem's first candidate (the heuristic default).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import triton
+
+log = logging.getLogger(__name__)
+CACHE_DIR_ENV = "FUSEPASS_CACHE_DIR"
+TUNE_ENV = "FUSEPASS_TUNE"
+
+
+def cache_path() -> Path:
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "fusepass")
+    return Path(root) / "tuning.json"
+
+
+@functools.cache
+def _kernel_source_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def environment_key(device: torch.device) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"{name}|torch {torch.__version__}|triton {triton.__version__}|kernels {_kernel_source_hash()}"
+
+
+class Tuner:
+    def __init__(self) -> None:
+        self._choices: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def choose(self, problem: str, device: torch.device, candidates: dict[str, Callable[[], Any]]) -> str:
+        """The name of the fastest candidate for `problem`. Candidates are side-effect-free callables
+        (each allocates its own outputs); the first is the default when timing is off or impossible."""
+        key = f"{environment_key(device)}|{problem}"
+        with self._lock:
+            choice = self._choices.get(key) or _read_cache().get(key)
+            if choice in candidates:
+                self._choices[key] = choice
+                return choice
+            first = next(iter(candidates))
+            if os.environ.get(TUNE_ENV, "1") == "0" or _capturing(device):
+                return first  # timing inside a CUDA graph capture is impossible; not remembered
+            times = _time_candidates(candidates)
+            choice = min(times, key=times.get) if times else first
+            log.info("fusepass tuning %s: %s", problem,
+                     ", ".join(f"{name} {ms:.4f} ms" for name, ms in sorted(times.items(), key=lambda i: i[1])))
+            self._choices[key] = choice
+            _write_cache(key, choice)
+            return choice
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _time_candidates(candidates: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    times = {}
+    for name, run in candidates.items():
+        try:
+            run()  # compiles; a config that does not fit the GPU fails here and is skipped
+            times[name] = triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
+        except Exception as exc:  # noqa: BLE001  (a candidate that cannot run is simply not chosen)
+            log.info("fusepass tuning: candidate %s failed: %r", name, exc)
+    return times
+
+
+def _read_cache() -> dict[str, str]:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, choice: str) -> None:
+    """Merges one entry into the cache file, replacing it atomically (parallel processes may write)."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = _read_cache()
+        entries[key] = choice
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+            json.dump(entries, tmp, indent=1, sort_keys=True)
+        os.replace(tmp.name, path)
+    except OSError as exc:
+        log.warning("fusepass: could not write the tuning cache %s: %r", path, exc)
+
+
+TUNER = Tuner()

@@ -1,0 +1,98 @@
+"""The implementation chooser: fastest candidate, remembered in memory and on disk, skipped when told."""
+
+import json
+
+import pytest
+import torch
+
+from fusepass.lowering import tuning
+from tests.chains import requires_cuda
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
+    return tmp_path
+
+
+def fake_timing(monkeypatch, times):
+    calls = []
+
+    def time_candidates(candidates):
+        calls.append(list(candidates))
+        return {name: times[name] for name in candidates if name in times}
+
+    monkeypatch.setattr(tuning, "_time_candidates", time_candidates)
+    return calls
+
+
+CANDIDATES = {"a": lambda: None, "b": lambda: None, "c": lambda: None}
+
+
+def test_fastest_candidate_is_chosen_and_written_to_disk(cache_dir, monkeypatch):
+    calls = fake_timing(monkeypatch, {"a": 3.0, "b": 1.0, "c": 2.0})
+    assert tuning.Tuner().choose("problem 1", CPU, CANDIDATES) == "b"
+    assert len(calls) == 1
+    entries = json.loads((cache_dir / "tuning.json").read_text())
+    assert [value for key, value in entries.items() if key.endswith("|problem 1")] == ["b"]
+
+
+def test_a_second_process_reads_the_choice_without_timing(cache_dir, monkeypatch):
+    fake_timing(monkeypatch, {"a": 3.0, "b": 1.0, "c": 2.0})
+    tuning.Tuner().choose("problem 2", CPU, CANDIDATES)
+    calls = fake_timing(monkeypatch, {"a": 0.1})  # would choose "a" if it timed again
+    assert tuning.Tuner().choose("problem 2", CPU, CANDIDATES) == "b"
+    assert calls == []
+
+
+def test_entries_of_several_problems_are_merged(cache_dir, monkeypatch):
+    fake_timing(monkeypatch, {"a": 1.0, "b": 2.0, "c": 3.0})
+    tuning.Tuner().choose("problem 3", CPU, CANDIDATES)
+    fake_timing(monkeypatch, {"a": 3.0, "b": 2.0, "c": 1.0})
+    tuning.Tuner().choose("problem 4", CPU, CANDIDATES)
+    assert sorted(json.loads((cache_dir / "tuning.json").read_text()).values()) == ["a", "c"]
+
+
+def test_failed_candidates_are_skipped_and_a_stale_choice_is_retimed(cache_dir, monkeypatch):
+    fake_timing(monkeypatch, {"c": 5.0})  # a and b failed
+    assert tuning.Tuner().choose("problem 5", CPU, CANDIDATES) == "c"
+    calls = fake_timing(monkeypatch, {"a": 1.0})
+    assert tuning.Tuner().choose("problem 5", CPU, {"a": lambda: None}) == "a"  # "c" no longer offered
+    assert len(calls) == 1
+
+
+def test_tuning_off_takes_the_first_candidate(cache_dir, monkeypatch):
+    monkeypatch.setenv(tuning.TUNE_ENV, "0")
+    calls = fake_timing(monkeypatch, {"a": 3.0, "b": 1.0})
+    assert tuning.Tuner().choose("problem 6", CPU, CANDIDATES) == "a"
+    assert calls == [] and not (cache_dir / "tuning.json").exists()
+
+
+def test_unwritable_cache_only_logs(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(blocker))
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
+    fake_timing(monkeypatch, {"a": 2.0, "b": 1.0})
+    assert tuning.Tuner().choose("problem 7", CPU, CANDIDATES) == "b"
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_real_tuning_of_the_op_on_gpu(cache_dir):
+    """The op times its implementations once, then a fresh tuner reads the choice from disk."""
+    from tests.lowering.test_linear_scale_batch_norm import make_case
+    import fusepass.lowering.linear_scale_batch_norm as lowering
+
+    case = make_case(256, 128, 96, device="cuda")
+    args = (*case.values(), True, 0.1, 1e-5, torch.float32, False, None, 1.0, False)
+    candidates = {name: (lambda run=run: run(*args))
+                  for name, run in lowering.implementations(case["x"], "tf32x3", "auto").items()}
+    problem = lowering.problem_key(args, "tf32x3", "auto")
+    choice = tuning.Tuner().choose(problem, torch.device("cuda"), candidates)
+    assert choice in candidates
+    assert list(json.loads((cache_dir / "tuning.json").read_text()).values()) == [choice]
+    assert tuning.Tuner().choose(problem, torch.device("cuda"), {"cublas": candidates["cublas"], choice: None}) == choice

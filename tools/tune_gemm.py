@@ -1,0 +1,75 @@
+"""Times fusepass's Triton GEMM (with the statistics epilogue) per precision and tile config against
+cuBLAS, with its error to float64. GPU only. Usage: python tools/tune_gemm.py [--json FILE] [--quick]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+from tabulate import tabulate
+
+from fusepass.lowering import gemm
+
+# Tried besides the candidates, to see whether the candidate list should change.
+EXTRA_CONFIGS = [gemm.GemmConfig(128, 256, 32, 8, 8, 3), gemm.GemmConfig(128, 128, 32, 8, 8, 4),
+                 gemm.GemmConfig(256, 128, 32, 8, 8, 3)]
+SHAPES = [(16384, 4096, 4096), (1024, 8192, 8192), (128, 1024, 512)]
+
+
+def rel_error(value: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((value.double() - ref).norm() / ref.norm()).item()
+
+
+def run_case(m, k, n, dtype, precision, config, x, w, b, s, ref):
+    def call():
+        return gemm.linear_epilogue(x, w, b, precision, config, epilogue=gemm.STATISTICS, scale=s)
+
+    y = call().y
+    ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+    return dict(m=m, k=k, n=n, dtype=str(dtype).split(".")[-1], kernel=f"triton {precision}",
+                config=config.describe(), ms=ms, tflops=2 * m * n * k / ms / 1e9, rel_err=rel_error(y, ref))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--quick", action="store_true", help="first two configs only")
+    parser.add_argument("--shapes", type=int, default=len(SHAPES), help="the first this many shapes")
+    args = parser.parse_args()
+    rows = []
+    for m, k, n in SHAPES[:args.shapes]:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(m, k, device="cuda", generator=g)
+        w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+        b = torch.randn(n, device="cuda", generator=g)
+        s = torch.randn(n, device="cuda", generator=g)
+        ref = F.linear(x.double(), w.double(), b.double())
+        for dtype, precisions in ((torch.float32, ["tf32x3", "split_w", "tf32"]), (torch.bfloat16, ["native"])):
+            xd, wd, bd = x.to(dtype), w.to(dtype), b.to(dtype)
+            torch.backends.cuda.matmul.allow_tf32 = False
+            ms = triton.testing.do_bench(lambda: F.linear(xd, wd, bd), warmup=25, rep=100, return_mode="median")
+            rows.append(dict(m=m, k=k, n=n, dtype=str(dtype).split(".")[-1], kernel="cuBLAS", config="",
+                             ms=ms, tflops=2 * m * n * k / ms / 1e9, rel_err=rel_error(F.linear(xd, wd, bd), ref)))
+            for precision in precisions:
+                configs = gemm.gemm_configs(precision, dtype) + EXTRA_CONFIGS
+                for config in configs[:2] if args.quick else configs:
+                    try:
+                        rows.append(run_case(m, k, n, dtype, precision, config, xd, wd, bd, s, ref))
+                    except Exception as exc:  # an out-of-resources config: report, go on
+                        rows.append(dict(m=m, k=k, n=n, dtype=str(dtype), kernel=f"triton {precision}",
+                                         config=config.describe(), error=repr(exc)[:120]))
+                    print(rows[-1], flush=True)
+        split_ms = triton.testing.do_bench(lambda: gemm.split_tf32(w), return_mode="median")
+        rows.append(dict(m=m, k=k, n=n, dtype="float32", kernel="split W into tf32 hi+lo", ms=split_ms))
+    print(tabulate(rows, headers="keys", floatfmt=".4g"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=triton.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
