@@ -33,10 +33,11 @@ import torch
 import triton
 from tabulate import tabulate
 
+from fusepass.lowering.tuning import TUNER
 from fusepass.numerics import no_further_than_eager, rel_error
 from fusepass.problems import load_problem
 
-PROVIDERS = ("eager", "inductor", "fusepass", "max-autotune")
+PROVIDERS = ("eager", "inductor", "fusepass", "max-autotune", "inductor-cudagraphs", "fusepass-cudagraphs")
 PRECISIONS = ("fp32", "tf32", "bf16-autocast", "fp16-autocast")
 # allclose tolerances to the float64 model when --atol/--rtol are not given (KernelBench's: 1e-4 fp32, 1e-2 else).
 DEFAULT_TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "bf16-autocast": 1e-2, "fp16-autocast": 1e-2}
@@ -155,6 +156,10 @@ def make_provider(name: str, model: torch.nn.Module) -> Callable:
         return torch.compile(model, backend="fusepass")
     if name == "max-autotune":
         return torch.compile(model, mode="max-autotune-no-cudagraphs")
+    if name == "inductor-cudagraphs":
+        return torch.compile(model, mode="reduce-overhead")
+    if name == "fusepass-cudagraphs":
+        return torch.compile(model, backend="fusepass", mode="reduce-overhead")
     raise BenchError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
 
 
@@ -438,7 +443,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[list[str], Config, arg
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["fp32"])
     parser.add_argument("--backward", action="store_true", help="time (and check) forward + backward")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=["eager", "inductor", "fusepass"],
-                        help="max-autotune is Inductor in mode max-autotune-no-cudagraphs; eager always runs")
+                        help="max-autotune is Inductor in mode max-autotune-no-cudagraphs; *-cudagraphs are mode "
+                             "reduce-overhead (CUDA graphs); eager always runs")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shrink", type=int, default=1, metavar="F", help="divide every size in the problem by F")
     parser.add_argument("--seeds", type=int, default=5, help="fresh input draws for the correctness check")
@@ -479,7 +485,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(format_table(results, problem, cfg.backward))
     if args.json:
         payload = {"environment": env, "config": {k: v for k, v in asdict(cfg).items() if k != "results"},
-                   "results": [{k: _json_value(v) for k, v in asdict(r).items()} for r in results]}
+                   "results": [{k: _json_value(v) for k, v in asdict(r).items()} for r in results],
+                   "fusepass_tuning": TUNER.timings}
         Path(args.json).write_text(json.dumps(payload, indent=2, allow_nan=False))
     if args.plot:
         write_plot(results, args.plot)

@@ -22,7 +22,8 @@ FUSEPASS_KEYS = {
     "debug_dir": "write each graph before/after rewriting and its match report here (env FUSEPASS_DEBUG_DIR)",
     "fallback": "what a graph falls back to if rewriting or compiling the fused op fails: 'inductor' or 'eager'",
     "fp32_matmul": "fp32 GEMMs when torch does not allow TF32: 'tf32x3' (default; fp32-accurate on tensor "
-                   "cores) or 'ieee' (plain fp32 FMA); with TF32 allowed they use TF32, as eager",
+                   "cores) or 'ieee' (plain fp32 FMA, on cuBLAS whatever 'gemm' says); with TF32 allowed they use "
+                   "TF32, as eager",
     "gemm": "the fused ops' GEMM: 'auto' (default; time Triton and cuBLAS per shape, cached on disk), "
             "'triton' or 'cublas'",
 }

@@ -9,9 +9,10 @@ Epilogues (EPILOGUE meta-parameter):
              if the backward needs it).
 In eval mode the first row of programs also writes the per-feature mean and invstd the op returns.
 
-fp32 precisions (PRECISION meta-parameter): IEEE FMA, TF32 (what eager does when TF32 is allowed),
-TF32X3 (Triton's three-pass split: fp32-accurate on tensor cores), SPLIT_W (the same three passes with
-W split into tf32 hi + lo once, in memory, so the main loop splits only the x tile).
+fp32 precisions (PRECISION meta-parameter): TF32 (what eager does when TF32 is allowed), TF32X3
+(Triton's three-pass split: fp32-accurate on tensor cores), SPLIT_W (the same three passes with W split
+into tf32 hi + lo once, in memory, so the main loop splits only the x tile). Plain fp32 FMA is left to
+cuBLAS (linear_scale_batch_norm.py): a Triton FMA GEMM measured 2.7x eager's error in a gradient.
 bf16/fp16 inputs use the native dot, fp32 accumulation.
 """
 
@@ -27,8 +28,8 @@ from torch import Tensor
 
 from fusepass.lowering.tiles import batch_norm_tile, inverse_std, load_scale, scale_mode, tile_column_stats
 
-NATIVE, IEEE, TF32, TF32X3, SPLIT_W = 0, 1, 2, 3, 4
-PRECISIONS = {"native": NATIVE, "ieee": IEEE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W}
+NATIVE, TF32, TF32X3, SPLIT_W = 0, 2, 3, 4
+PRECISIONS = {"native": NATIVE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W}
 LINEAR, STATISTICS, NORMALIZE = 0, 1, 2
 
 
@@ -54,8 +55,6 @@ def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
         return [GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(64, 64, 64, 8, 4, 3)]
     if precision == "split_w":
         return [GemmConfig(128, 128, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 8, 4)]
-    if precision == "ieee":
-        return [GemmConfig(128, 128, 32, 8, 8, 3), GemmConfig(64, 64, 32, 8, 4, 3)]
     if precision == "tf32":
         return [GemmConfig(128, 256, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 4, 4), GemmConfig(64, 64, 64, 8, 4, 3)]
     return [GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(64, 64, 64, 8, 4, 3)]
@@ -84,10 +83,7 @@ def _tf32_split_kernel(src_ptr, hi_ptr, lo_ptr, n_elements, BLOCK: tl.constexpr)
 @triton.jit
 def _dot(a, b, b_lo, acc, PRECISION: tl.constexpr):
     """acc + a @ b in the requested precision (b_lo: the low tf32 half of b, for SPLIT_W only)."""
-    if PRECISION == 1:
-        # FMA chains of one K block, then a plain add: error grows with BLOCK_K + K / BLOCK_K, not K.
-        acc += tl.dot(a, b, tl.zeros_like(acc), input_precision="ieee")
-    elif PRECISION == 2:
+    if PRECISION == 2:
         # Tensor cores truncate fp32 operands to tf32; rounding them to nearest first, as cuBLAS does,
         # avoids a bias that grows with K (measured on an H200: 2.5x cuBLAS tf32's error in a gradient).
         a_hi, _ = tf32_split(a)

@@ -515,15 +515,15 @@ def matmul_precision(dtype: torch.dtype, fp32_matmul: str) -> str:
 
 def implementations(x: Tensor, precision: str, gemm_choice: str) -> dict[str, Callable[..., tuple]]:
     """Every way to run the op for inputs like x, by name, first the default; each takes the op's 17
-    leading arguments."""
+    leading arguments. Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever gemm_choice says."""
     candidates = {}
-    if gemm_choice in ("auto", "triton"):
+    if gemm_choice in ("auto", "triton") and precision != "ieee":
         precisions = [precision] + (["split_w"] if precision == "tf32x3" else [])
         for p in precisions:
             for config in gemm.gemm_configs(p, x.dtype):
                 candidates[f"triton {p} {config.describe()}"] = functools.partial(
                     gemm_batch_norm, precision=p, config=config)
-    if gemm_choice in ("auto", "cublas"):
+    if gemm_choice in ("auto", "cublas") or not candidates:
         candidates["cublas"] = functools.partial(cublas_batch_norm, precision=precision)
     return candidates
 

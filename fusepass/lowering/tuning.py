@@ -49,6 +49,7 @@ class Tuner:
     def __init__(self) -> None:
         self._choices: dict[str, str] = {}
         self._lock = threading.Lock()
+        self.timings: dict[str, dict[str, float]] = {}  # problem -> candidate -> median ms, this process
 
     def choose(self, problem: str, device: torch.device, candidates: dict[str, Callable[[], Any]]) -> str:
         """The name of the fastest candidate for `problem`. Candidates are side-effect-free callables
@@ -63,6 +64,7 @@ class Tuner:
             if os.environ.get(TUNE_ENV, "1") == "0" or _capturing(device):
                 return first  # timing inside a CUDA graph capture is impossible; not remembered
             times = _time_candidates(candidates)
+            self.timings[problem] = times
             choice = min(times, key=times.get) if times else first
             log.info("fusepass tuning %s: %s", problem,
                      ", ".join(f"{name} {ms:.4f} ms" for name, ms in sorted(times.items(), key=lambda i: i[1])))

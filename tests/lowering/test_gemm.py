@@ -12,7 +12,7 @@ from tests.lowering.test_linear_scale_batch_norm import KERNEL_DEVICE, float64_c
 
 # Small tiles keep the interpreter fast; on a GPU the same tiles exercise masking and several row tiles.
 SMALL = gemm.GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=2)
-FP32_ACCURATE = ["ieee", "tf32x3", "split_w"]
+FP32_ACCURATE = ["tf32x3", "split_w"]
 
 
 def test_tf32_split_is_exact_and_hi_fits_tf32():
@@ -49,7 +49,7 @@ def test_reduced_precision_gemm_errors(precision, dtype, bound):
 @pytest.mark.parametrize("scale", ["per_feature", "single", "number"])
 def test_statistics_epilogue_per_row_tile(scale):
     case = make_case(37, 20, 19, scale=scale)
-    out = gemm.linear_epilogue(case["x"], case["weight"], case["bias"], "ieee", SMALL,
+    out = gemm.linear_epilogue(case["x"], case["weight"], case["bias"], "tf32x3", SMALL,
                                epilogue=gemm.STATISTICS, scale=case["scale"], scale_value=case["scale_value"])
     z = out.y * (case["scale"] if case["scale"] is not None else case["scale_value"])
     tiles = z.split(SMALL.block_m)
@@ -59,13 +59,13 @@ def test_statistics_epilogue_per_row_tile(scale):
                                rtol=1e-4, atol=1e-4)
 
 
-IMPLEMENTATIONS = [("triton", "ieee"), ("triton", "tf32x3"), ("triton", "split_w"), ("cublas", "tf32x3")]
+IMPLEMENTATIONS = [("triton", "tf32x3"), ("triton", "split_w"), ("cublas", "tf32x3"), ("cublas", "ieee")]
 
 
 def run_implementation(case, impl, precision, training, keep_linear, tail, out_dtype=torch.float32):
     args = (*case.values(), training, 0.1, 1e-5, out_dtype, keep_linear, *tail)
     if impl == "cublas":
-        return lowering.cublas_batch_norm(*args, "ieee" if precision == "tf32x3" else precision)
+        return lowering.cublas_batch_norm(*args, precision)
     return lowering.gemm_batch_norm(*args, precision, SMALL)
 
 
@@ -119,10 +119,10 @@ def test_eval_epilogue_writes_the_whole_output_in_one_launch(monkeypatch):
         monkeypatch.setattr(lowering, name, _Recording(kernel, name, launched))
     case = make_case(20, 16, 12)
     lowering.gemm_batch_norm(*case.values(), False, 0.1, 1e-5, torch.float32, False, None, 1.0, False,
-                             "ieee", SMALL)
+                             "tf32x3", SMALL)
     assert launched == []
     lowering.gemm_batch_norm(*case.values(), True, 0.1, 1e-5, torch.float32, False, None, 1.0, False,
-                             "ieee", SMALL)
+                             "tf32x3", SMALL)
     assert launched == ["_finalize_stats_kernel", "_normalize_kernel"]
 
 
@@ -152,6 +152,7 @@ def test_candidates_per_choice():
     assert any(name.startswith("triton split_w") for name in auto)
     assert list(lowering.implementations(x, "tf32x3", "cublas")) == ["cublas"]
     assert "cublas" not in lowering.implementations(x, "tf32", "triton")
+    assert list(lowering.implementations(x, "ieee", "triton")) == ["cublas"]
 
 
 @pytest.mark.parametrize("training", [True, False])
