@@ -513,11 +513,13 @@ def matmul_precision(dtype: torch.dtype, fp32_matmul: str) -> str:
     return "tf32x3"
 
 
-def implementations(x: Tensor, precision: str, gemm_choice: str) -> dict[str, Callable[..., tuple]]:
-    """Every way to run the op for inputs like x, by name, first the default; each takes the op's 17
-    leading arguments. Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever gemm_choice says."""
+def implementations(x: Tensor, precision: str, gemm_choice: str,
+                    n_features: int = 1) -> dict[str, Callable[..., tuple]]:
+    """Every way to run the op for inputs like x (and n_features outputs), by name, first the default;
+    each takes the op's 17 leading arguments. Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever
+    gemm_choice says, and so are problems too large for the GEMM kernel's 32-bit offsets."""
     candidates = {}
-    if gemm_choice in ("auto", "triton") and precision != "ieee":
+    if gemm_choice in ("auto", "triton") and precision != "ieee" and _fits_int32_offsets(x, n_features):
         precisions = [precision] + (["split_w"] if precision == "tf32x3" else [])
         for p in precisions:
             for config in gemm.gemm_configs(p, x.dtype):
@@ -526,6 +528,12 @@ def implementations(x: Tensor, precision: str, gemm_choice: str) -> dict[str, Ca
     if gemm_choice in ("auto", "cublas") or not candidates:
         candidates["cublas"] = functools.partial(cublas_batch_norm, precision=precision)
     return candidates
+
+
+def _fits_int32_offsets(x: Tensor, n_features: int) -> bool:
+    """The GEMM kernel computes element offsets in int32."""
+    limit = 2**31 - 1
+    return x.numel() <= limit and x.shape[0] * n_features <= limit and x.shape[1] * n_features <= limit
 
 
 def choose_implementation(args: tuple, precision: str, gemm_choice: str) -> Callable[..., tuple]:
@@ -538,7 +546,7 @@ def choose_implementation(args: tuple, precision: str, gemm_choice: str) -> Call
            bn_bias is None, running_mean is None)
     chosen = _CHOSEN.get(key)
     if chosen is None:
-        candidates = implementations(x, precision, gemm_choice)
+        candidates = implementations(x, precision, gemm_choice, weight.shape[0])
         name = TUNER.choose(problem_key(args, precision, gemm_choice), x.device,
                             {name: functools.partial(run, *args) for name, run in candidates.items()})
         chosen = candidates[name]

@@ -153,6 +153,8 @@ def test_candidates_per_choice():
     assert list(lowering.implementations(x, "tf32x3", "cublas")) == ["cublas"]
     assert "cublas" not in lowering.implementations(x, "tf32", "triton")
     assert list(lowering.implementations(x, "ieee", "triton")) == ["cublas"]
+    huge = torch.empty(2**16, 2**15, device="meta")
+    assert list(lowering.implementations(huge, "tf32x3", "auto", 2**16)) == ["cublas"]  # 2^32 outputs
 
 
 @pytest.mark.parametrize("training", [True, False])
