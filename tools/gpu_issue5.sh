@@ -13,7 +13,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.lo
 for spec in ${BENCH:-}; do
   IFS=: read -r set modes precisions extra <<< "$spec"
   problems=demos/problems/*.py; [ "$set" = small ] && problems=benchmarks/problems/*_small.py
-  name="bench_${set}_${modes//,/-}_${precisions//,/-}${extra:+_${extra//-/}}"
+  extra_name=${extra//[-,]/}; name="bench_${set}_${modes//,/-}_${precisions//,/-}${extra:+_${extra_name:0:40}}"
   fusepass-bench $problems --mode ${modes//,/ } --precision ${precisions//,/ } ${extra//,/ } \
     --json "$OUT/$name.json" 2>"$OUT/$name.err" | tail -40
 done
