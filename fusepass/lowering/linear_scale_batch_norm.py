@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ from torch import Tensor
 from fusepass.lowering import gemm
 from fusepass.lowering.tiles import (INTERPRETED, batch_norm_tile, chan_merge, exp_accurate, inverse_std,
                                      load_scale, scale_mode, tile_column_stats)
-from fusepass.lowering.tuning import TUNER
+from fusepass.lowering.tuning import TUNER, capturing
 
 OP_NAME = "fusepass::linear_scale_batch_norm"
 
@@ -537,34 +537,57 @@ def _fits_int32_offsets(x: Tensor, n_features: int) -> bool:
 
 
 def choose_implementation(args: tuple, precision: str, gemm_choice: str) -> Callable[..., tuple]:
-    """The implementation for these arguments: from a per-process table on a cheap key (this runs on
-    every call), else from the tuner (timing, or its disk cache)."""
-    (x, weight, bias, scale, _sv, bn_weight, bn_bias, running_mean, _rv, training, _m, _e, out_dtype,
-     keep_linear, scale_after, _sav, softmax) = args
-    key = (tuple(x.shape), weight.shape[0], x.dtype, x.device, precision, gemm_choice, training, softmax,
-           keep_linear, out_dtype, bias is None, scale_mode(scale), scale_mode(scale_after), bn_weight is None,
-           bn_bias is None, running_mean is None)
-    chosen = _CHOSEN.get(key)
+    """The implementation for these arguments: from a per-process table (this runs on every call),
+    else from the tuner (timing, or its disk cache)."""
+    problem = Problem.of(args, precision, gemm_choice)
+    chosen = _CHOSEN.get(problem)
     if chosen is None:
+        x, weight = args[0], args[1]
         candidates = implementations(x, precision, gemm_choice, weight.shape[0])
-        name = TUNER.choose(problem_key(args, precision, gemm_choice), x.device,
+        name = TUNER.choose(problem.describe(), x.device,
                             {name: functools.partial(run, *args) for name, run in candidates.items()})
         chosen = candidates[name]
-        if not torch.cuda.is_current_stream_capturing():  # a choice made during capture was not timed
-            _CHOSEN[key] = chosen
+        if not capturing(x.device):  # a choice made during a CUDA graph capture was not timed
+            _CHOSEN[problem] = chosen
     return chosen
 
 
-_CHOSEN: dict[tuple, Callable[..., tuple]] = {}
+class Problem(NamedTuple):
+    """What the choice of implementation depends on: the per-process table's key, and (described)
+    the tuner's."""
+    n: int
+    k: int
+    f: int
+    dtype: torch.dtype
+    device: torch.device
+    precision: str
+    gemm_choice: str
+    training: bool
+    softmax: bool
+    keep_linear: bool
+    out_dtype: torch.dtype
+    has_bias: bool
+    scale_modes: tuple[int, int]
+    affine: tuple[bool, bool]
+    running: bool
+
+    @classmethod
+    def of(cls, args: tuple, precision: str, gemm_choice: str) -> "Problem":
+        (x, weight, bias, scale, _sv, bn_weight, bn_bias, running_mean, _rv, training, _m, _e, out_dtype,
+         keep_linear, scale_after, _sav, softmax) = args
+        return cls(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, precision, gemm_choice, training,
+                   softmax, keep_linear, out_dtype, bias is not None, (scale_mode(scale), scale_mode(scale_after)),
+                   (bn_weight is not None, bn_bias is not None), running_mean is not None)
+
+    def describe(self) -> str:
+        """The tuner's key (the device is in the tuner's own part of it)."""
+        return (f"{OP_NAME} {self.n}x{self.k}->{self.f} {self.dtype} {self.precision} gemm={self.gemm_choice} "
+                f"train={self.training} softmax={self.softmax} keep={self.keep_linear} out={self.out_dtype} "
+                f"bias={self.has_bias} scale={self.scale_modes[0]},{self.scale_modes[1]} "
+                f"affine={self.affine[0]},{self.affine[1]} running={self.running}")
 
 
-def problem_key(args: tuple, precision: str, gemm_choice: str) -> str:
-    (x, weight, bias, scale, _sv, bn_weight, bn_bias, running_mean, _rv, training, _m, _e, out_dtype,
-     keep_linear, scale_after, _sav, softmax) = args
-    return (f"{OP_NAME} {x.shape[0]}x{x.shape[1]}->{weight.shape[0]} {x.dtype} {precision} gemm={gemm_choice} "
-            f"train={training} softmax={softmax} keep={keep_linear} out={out_dtype} bias={bias is not None} "
-            f"scale={scale_mode(scale)},{scale_mode(scale_after)} affine={bn_weight is not None},{bn_bias is not None} "
-            f"running={running_mean is not None}")
+_CHOSEN: dict[Problem, Callable[..., tuple]] = {}
 
 
 # --------------------------------------------------------------------------- op registration

@@ -61,7 +61,7 @@ class Tuner:
                 self._choices[key] = choice
                 return choice
             first = next(iter(candidates))
-            if os.environ.get(TUNE_ENV, "1") == "0" or _capturing(device):
+            if os.environ.get(TUNE_ENV, "1") == "0" or capturing(device):
                 return first  # timing inside a CUDA graph capture is impossible; not remembered
             times = _time_candidates(candidates)
             self.timings[problem] = times
@@ -73,7 +73,7 @@ class Tuner:
             return choice
 
 
-def _capturing(device: torch.device) -> bool:
+def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 

@@ -166,3 +166,16 @@ def test_every_candidate_computes_the_op(training):
     for name, run in lowering.implementations(case["x"], "tf32x3", "auto").items():
         for got, want in zip(run(*args), ref):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_choice_is_remembered_per_problem(monkeypatch):
+    """With tuning off the default (first) candidate is chosen once per problem, then looked up."""
+    monkeypatch.setattr(lowering, "_CHOSEN", {})
+    case = make_case(12, 16, 8)
+    args = (*case.values(), True, 0.1, 1e-5, torch.float32, False, None, 1.0, False)
+    chosen = lowering.choose_implementation(args, "tf32x3", "auto")
+    assert chosen.keywords == {"precision": "tf32x3", "config": gemm.gemm_configs("tf32x3", torch.float32)[0]}
+    assert list(lowering._CHOSEN) == [lowering.Problem.of(args, "tf32x3", "auto")]
+    assert lowering.choose_implementation(args, "tf32x3", "auto") is chosen
+    lowering.choose_implementation(args, "tf32x3", "cublas")
+    assert len(lowering._CHOSEN) == 2
