@@ -135,14 +135,18 @@ class _Recording:
         return self.kernel[grid]
 
 
-def test_matmul_precision_follows_torch_tf32_flag(monkeypatch):
+def test_matmul_precision_follows_torch_tf32_flag():
     assert lowering.matmul_precision(torch.bfloat16, "tf32x3") == "native"
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert lowering.matmul_precision(torch.float32, "tf32x3") == "tf32x3"
-    assert lowering.matmul_precision(torch.float32, "ieee") == "ieee"
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert lowering.matmul_precision(torch.float32, "tf32x3") == "tf32"
-    assert lowering.matmul_precision(torch.float32, "ieee") == "ieee"  # the option forces FMA
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    try:  # set and restored by hand: pytest's monkeypatch fails to restore this module attribute
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert lowering.matmul_precision(torch.float32, "tf32x3") == "tf32x3"
+        assert lowering.matmul_precision(torch.float32, "ieee") == "ieee"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert lowering.matmul_precision(torch.float32, "tf32x3") == "tf32"
+        assert lowering.matmul_precision(torch.float32, "ieee") == "ieee"  # the option forces FMA
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
 def test_candidates_per_choice():
