@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -158,6 +159,44 @@ def _partial_stats_kernel(
 
 
 @triton.jit
+def _merged_statistics(part_mean_ptr, part_m2_ptr, cols, col_mask, n_rows, n_cols, n_parts, rows_per_part):
+    """Per column: the row strips' (mean, M2) of z merged with Chan's formula. Returns (count, mean,
+    biased variance)."""
+    count = tl.zeros(cols.shape, dtype=tl.float32)
+    mean = tl.zeros(cols.shape, dtype=tl.float32)
+    m2 = tl.zeros(cols.shape, dtype=tl.float32)
+    for p in range(0, n_parts):
+        part_count = tl.minimum(rows_per_part, n_rows - p * rows_per_part).to(tl.float32)
+        part_mean = tl.load(part_mean_ptr + p * n_cols + cols, mask=col_mask, other=0.0)
+        part_m2 = tl.load(part_m2_ptr + p * n_cols + cols, mask=col_mask, other=0.0)
+        count, mean, m2 = chan_merge(count, mean, m2, part_count, part_mean, part_m2)
+    return count, mean, m2 / count
+
+
+@triton.jit
+def _store_statistics(
+    mean, var, count, cols, mask,
+    mean_ptr, invstd_ptr, running_mean_ptr, running_var_ptr, new_running_mean_ptr, new_running_var_ptr,
+    momentum, eps, UPDATE_RUNNING: tl.constexpr,
+):
+    """Stores mean and invstd, and (training with running statistics) the momentum update of the
+    running statistics with the unbiased variance. Returns invstd."""
+    invstd = inverse_std(var, eps)
+    tl.store(mean_ptr + cols, mean, mask=mask)
+    tl.store(invstd_ptr + cols, invstd, mask=mask)
+    if UPDATE_RUNNING:
+        momentum = tl.cast(momentum, tl.float32)
+        unbiased_var = var * (count / (count - 1.0))
+        running_mean = tl.load(running_mean_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        running_var = tl.load(running_var_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        new_mean = momentum * mean + (1.0 - momentum) * running_mean
+        new_var = momentum * unbiased_var + (1.0 - momentum) * running_var
+        tl.store(new_running_mean_ptr + cols, new_mean.to(new_running_mean_ptr.dtype.element_ty), mask=mask)
+        tl.store(new_running_var_ptr + cols, new_var.to(new_running_var_ptr.dtype.element_ty), mask=mask)
+    return invstd
+
+
+@triton.jit
 def _finalize_stats_kernel(
     # pointers
     part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
@@ -169,47 +208,54 @@ def _finalize_stats_kernel(
     # meta-parameters
     TRAINING: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Per column: merge the strips' statistics (Chan), emit mean/invstd, update the running statistics."""
+    """Per column: merge the strips' statistics (training) or read the running ones (eval); emit
+    mean/invstd and update the running statistics."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
     if TRAINING:
-        count = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        mean = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        m2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        for p in range(0, n_parts):
-            part_count = tl.minimum(rows_per_part, n_rows - p * rows_per_part).to(tl.float32)
-            part_mean = tl.load(part_mean_ptr + p * n_cols + cols, mask=col_mask, other=0.0)
-            part_m2 = tl.load(part_m2_ptr + p * n_cols + cols, mask=col_mask, other=0.0)
-            count, mean, m2 = chan_merge(count, mean, m2, part_count, part_mean, part_m2)
-        var = m2 / count
+        count, mean, var = _merged_statistics(part_mean_ptr, part_m2_ptr, cols, col_mask, n_rows, n_cols,
+                                              n_parts, rows_per_part)
     else:
+        count = tl.zeros((BLOCK_C,), dtype=tl.float32)
         mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         var = tl.load(running_var_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
-    tl.store(mean_ptr + cols, mean, mask=col_mask)
-    tl.store(invstd_ptr + cols, inverse_std(var, eps), mask=col_mask)
+    _store_statistics(mean, var, count, cols, col_mask, mean_ptr, invstd_ptr, running_mean_ptr, running_var_ptr,
+                      new_running_mean_ptr, new_running_var_ptr, momentum, eps, UPDATE_RUNNING)
 
-    if UPDATE_RUNNING:
-        momentum = tl.cast(momentum, tl.float32)
-        unbiased_var = var * (count / (count - 1.0))
-        running_mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        running_var = tl.load(running_var_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        new_mean = momentum * mean + (1.0 - momentum) * running_mean
-        new_var = momentum * unbiased_var + (1.0 - momentum) * running_var
-        tl.store(new_running_mean_ptr + cols, new_mean.to(new_running_mean_ptr.dtype.element_ty), mask=col_mask)
-        tl.store(new_running_var_ptr + cols, new_var.to(new_running_var_ptr.dtype.element_ty), mask=col_mask)
+
+@triton.jit
+def _column_statistics(
+    part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+    mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
+    cols, col_mask, row_program, n_rows, n_cols, n_parts, rows_per_part, momentum, eps,
+    MERGE: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
+):
+    """(mean, invstd) of some columns for an output pass: read from mean/invstd, or (MERGE) merged
+    from the strips' statistics here, saving the finalize launch; then row program 0 writes mean/invstd
+    and the running statistics, as the finalize kernel would (a nonzero row_program writes nothing)."""
+    if MERGE:
+        count, mean, var = _merged_statistics(part_mean_ptr, part_m2_ptr, cols, col_mask, n_rows, n_cols,
+                                              n_parts, rows_per_part)
+        # A vector comparison: Triton's interpreter rejects a mask and-ed with a scalar condition.
+        store_mask = col_mask & ((cols * 0 + row_program) == 0)
+        invstd = _store_statistics(mean, var, count, cols, store_mask, mean_ptr, invstd_ptr,
+                                   running_mean_ptr, running_var_ptr, new_running_mean_ptr, new_running_var_ptr,
+                                   momentum, eps, UPDATE_RUNNING)
+    else:
+        mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
+        invstd = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
+    return mean, invstd
 
 
 @triton.jit
 def _normalized_tile(
-    y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+    y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr, mean, invstd,
     rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value, scale_after_value,
     SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
 ):
     """u = ((y * s1 - mean) * invstd * gamma + beta) * s2 for one tile, in fp32."""
     mask = row_mask[:, None] & col_mask[None, :]
     s = load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
-    mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
-    invstd = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
     y = tl.load(y_ptr + rows[:, None] * stride_yr + cols[None, :] * stride_yc, mask=mask, other=0.0)
     s2 = load_scale(scale_after_ptr, scale_after_value, cols, col_mask, SCALE_AFTER_MODE)
     return batch_norm_tile(y.to(tl.float32), s, mean, invstd, gamma_ptr, beta_ptr, s2, cols, col_mask,
@@ -218,24 +264,32 @@ def _normalized_tile(
 
 @triton.jit
 def _normalize_kernel(
-    # pointers
-    y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr, out_ptr,
+    # pointers: input, parameters, output
+    y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr, out_ptr,
+    # pointers: statistics (see _column_statistics)
+    part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+    mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
     # sizes
-    n_rows, n_cols,
+    n_rows, n_cols, n_parts, rows_per_part,
     # strides
     stride_yr, stride_yc, stride_or, stride_oc,
     # scalars
-    scale_value, scale_after_value,
+    scale_value, scale_after_value, momentum, eps,
     # meta-parameters
     SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    MERGE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """out = ((y * s1 - mean) * invstd * gamma + beta) * s2, stored in out's dtype."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pid_r = tl.program_id(0)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < n_rows
     col_mask = cols < n_cols
-    u = _normalized_tile(y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+    mean, invstd = _column_statistics(
+        part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+        mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
+        cols, col_mask, pid_r, n_rows, n_cols, n_parts, rows_per_part, momentum, eps, MERGE, UPDATE_RUNNING)
+    u = _normalized_tile(y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr, mean, invstd,
                          rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value, scale_after_value,
                          SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA)
     tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
@@ -244,10 +298,13 @@ def _normalize_kernel(
 
 @triton.jit
 def _softmax_logits(
-    y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
-    rows, c0, n_cols, row_mask, stride_yr, stride_yc, scale_value, scale_after_value,
+    y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+    part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+    mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
+    rows, c0, row_mask, row_program, n_rows, n_cols, n_parts, rows_per_part,
+    stride_yr, stride_yc, scale_value, scale_after_value, momentum, eps,
     SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    MERGE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One column block of the logits, -inf past the last column. Both softmax sweeps call this one
     function, so the compiler builds the same expression (and rounding) for u in each: had one sweep
@@ -255,7 +312,11 @@ def _softmax_logits(
     |u| ulps."""
     cols = c0 + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
-    u = _normalized_tile(y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+    mean, invstd = _column_statistics(
+        part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+        mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
+        cols, col_mask, row_program, n_rows, n_cols, n_parts, rows_per_part, momentum, eps, MERGE, UPDATE_RUNNING)
+    u = _normalized_tile(y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr, mean, invstd,
                          rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value, scale_after_value,
                          SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA)
     return tl.where(col_mask[None, :], u, float("-inf")), cols, col_mask
@@ -263,29 +324,37 @@ def _softmax_logits(
 
 @triton.jit
 def _normalize_softmax_kernel(
-    # pointers
-    y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr, out_ptr,
+    # pointers: input, parameters, output
+    y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr, out_ptr,
+    # pointers: statistics (see _column_statistics)
+    part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+    mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
     # sizes
-    n_rows, n_cols,
+    n_rows, n_cols, n_parts, rows_per_part,
     # strides
     stride_yr, stride_yc, stride_or, stride_oc,
     # scalars
-    scale_value, scale_after_value,
+    scale_value, scale_after_value, momentum, eps,
     # meta-parameters
     SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+    MERGE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ACCURATE_EXP: tl.constexpr,
 ):
     """out = softmax(u, dim=-1) for BLOCK_R whole rows of any length: an online max/sum sweep over
     the columns, then a sweep that writes exp(u - max) / sum. fp32 throughout."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pid_r = tl.program_id(0)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < n_rows
     row_max = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, n_cols, BLOCK_C):
         u, cols, col_mask = _softmax_logits(
-            y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
-            rows, c0, n_cols, row_mask, stride_yr, stride_yc, scale_value, scale_after_value,
-            SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA, BLOCK_C)
+            y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+            part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+            mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
+            rows, c0, row_mask, pid_r, n_rows, n_cols, n_parts, rows_per_part,
+            stride_yr, stride_yc, scale_value, scale_after_value, momentum, eps,
+            SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA, MERGE, UPDATE_RUNNING, BLOCK_C)
         new_max = tl.maximum(row_max, tl.max(u, axis=1))
         # While a row has seen only -inf, subtract 0 instead of -inf so that no -inf - -inf NaN appears
         # (a row that is -inf throughout still ends 0 / 0 = NaN, as in eager).
@@ -295,13 +364,15 @@ def _normalize_softmax_kernel(
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     for c0 in range(0, n_cols, BLOCK_C):
         u, cols, col_mask = _softmax_logits(
-            y_ptr, scale_ptr, mean_ptr, invstd_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
-            rows, c0, n_cols, row_mask, stride_yr, stride_yc, scale_value, scale_after_value,
-            SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA, BLOCK_C)
+            y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+            part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+            mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
+            rows, c0, row_mask, 1, n_rows, n_cols, n_parts, rows_per_part,
+            stride_yr, stride_yc, scale_value, scale_after_value, momentum, eps,
+            SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA, MERGE, UPDATE_RUNNING, BLOCK_C)
         p = tl.math.div_rn(exp_accurate(u - shift[:, None], ACCURATE_EXP), row_sum[:, None])
         tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
                  p.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
 
 
 # --------------------------------------------------------------------------- launchers
@@ -314,6 +385,56 @@ SOFTMAX_BLOCK_R, SOFTMAX_MAX_BLOCK_C = 2, 2048
 FINALIZE_BLOCK_C = 64
 # Rows each statistics program covers: enough strips to fill a GPU, few enough to keep partials small.
 TARGET_ROW_STRIPS = 64
+# The output pass merges the strips' statistics itself (no finalize launch) while that costs it at most
+# this many bytes of (L2-resident) partials read per byte of y it reads anyway, or at most a few MB in
+# all: reading those from L2 costs less than a launch.
+MERGE_READS_PER_Y_READ = 1.0
+MERGE_BYTES_ALWAYS_CHEAP = 4 * 2**20
+
+
+class Partials(NamedTuple):
+    """Per strip of rows and per feature, the mean and M2 of z = y * s (strips of rows_per_part rows)."""
+    mean: Tensor
+    m2: Tensor
+    rows_per_part: int
+
+
+@dataclass
+class Statistics:
+    """The per-feature statistics an output pass normalizes with. mean/invstd (and the new running
+    statistics) are filled before the pass (finalize kernel, GEMM epilogue), or, when `parts` is set,
+    by the pass itself from the strips' statistics."""
+    mean: Tensor
+    invstd: Tensor
+    new_mean: Tensor
+    new_var: Tensor
+    running_mean: Optional[Tensor] = None
+    running_var: Optional[Tensor] = None
+    momentum: float = 0.0
+    eps: float = 0.0
+    parts: Optional[Partials] = None
+    update_running: bool = False
+
+    @classmethod
+    def allocate(cls, n_cols: int, device, training: bool, running_mean, running_var, momentum: float = 0.0,
+                 eps: float = 0.0) -> "Statistics":
+        new_mean, new_var = _new_running_stats(training, running_mean, running_var, device)
+        return cls(_fp32_vector(n_cols, device), _fp32_vector(n_cols, device), new_mean, new_var,
+                   running_mean, running_var, momentum, eps,
+                   update_running=training and running_mean is not None)
+
+    def kernel_args(self) -> tuple:
+        """Pointers (part_mean, part_m2, running_mean, running_var, mean, invstd, new running mean/var),
+        then (n_parts, rows_per_part), then (momentum, eps), as the kernels take them."""
+        placeholder = self.mean  # for absent optional tensors; the kernels never read it
+        parts = self.parts or Partials(placeholder, placeholder, 1)
+        pointers = (parts.mean, parts.m2, _or(self.running_mean, placeholder), _or(self.running_var, placeholder),
+                    self.mean, self.invstd, self.new_mean, self.new_var)
+        return pointers, (parts.mean.shape[0] if self.parts else 0, parts.rows_per_part), (self.momentum, self.eps)
+
+
+def _or(t: Optional[Tensor], placeholder: Tensor) -> Tensor:
+    return t if t is not None else placeholder
 
 
 def _fp32_vector(n: int, device) -> Tensor:
@@ -327,8 +448,8 @@ def _new_running_stats(training: bool, running_mean, running_var, device) -> tup
     return like(running_mean), like(running_var)
 
 
-def partial_statistics(y: Tensor, scale: Optional[Tensor], scale_value: float) -> tuple[Tensor, Tensor, int]:
-    """Per strip of rows and column, mean and M2 of y * s: (part_mean, part_m2, rows per strip)."""
+def partial_statistics(y: Tensor, scale: Optional[Tensor], scale_value: float) -> Partials:
+    """Per strip of rows and column, mean and M2 of y * s."""
     n_rows, n_cols = y.shape
     rows_per_part = STATS_BLOCK_R * max(1, triton.cdiv(n_rows, STATS_BLOCK_R * TARGET_ROW_STRIPS))
     n_parts = triton.cdiv(n_rows, rows_per_part)
@@ -341,45 +462,64 @@ def partial_statistics(y: Tensor, scale: Optional[Tensor], scale_value: float) -
         scale_value,
         SCALE_MODE=scale_mode(scale), BLOCK_R=STATS_BLOCK_R, BLOCK_C=STATS_BLOCK_C,
     )
-    return part_mean, part_m2, rows_per_part
+    return Partials(part_mean, part_m2, rows_per_part)
 
 
-def finalize_statistics(part_mean: Optional[Tensor], part_m2: Optional[Tensor], rows_per_part: int,
-                        n_rows: int, n_cols: int, running_mean, running_var, training, momentum, eps, device):
-    """Merges the strips' statistics (training) or reads the running ones (eval). Returns
-    (mean, invstd, new_running_mean, new_running_var); the last two are empty unless training with
-    running statistics."""
-    mean, invstd = _fp32_vector(n_cols, device), _fp32_vector(n_cols, device)
-    new_mean, new_var = _new_running_stats(training, running_mean, running_var, device)
-    placeholder = mean  # for absent optional tensors; the kernel never reads it
+def finalize_statistics(stats: Statistics, parts: Optional[Partials], n_rows: int) -> None:
+    """Fills stats' mean/invstd (and new running statistics) from the strips' statistics (training) or
+    from the running statistics (eval, parts None)."""
+    pointers, _, scalars = stats.kernel_args()
+    training = parts is not None
+    part_pointers = (parts.mean, parts.m2) if training else pointers[:2]
+    n_cols = stats.mean.shape[0]
     _finalize_stats_kernel[(triton.cdiv(n_cols, FINALIZE_BLOCK_C),)](
-        part_mean if training else placeholder, part_m2 if training else placeholder,
-        running_mean if running_mean is not None else placeholder,
-        running_var if running_var is not None else placeholder,
-        mean, invstd, new_mean, new_var,
-        n_rows, n_cols, part_mean.shape[0] if training else 0, rows_per_part,
-        momentum, eps,
-        TRAINING=training, UPDATE_RUNNING=training and running_mean is not None, BLOCK_C=FINALIZE_BLOCK_C,
+        *part_pointers, *pointers[2:],
+        n_rows, n_cols, parts.mean.shape[0] if training else 0, parts.rows_per_part if training else 1,
+        *scalars,
+        TRAINING=training, UPDATE_RUNNING=stats.update_running, BLOCK_C=FINALIZE_BLOCK_C,
     )
-    return mean, invstd, new_mean, new_var
 
 
-def output_pass(y: Tensor, scale, scale_value, mean, invstd, bn_weight, bn_bias, scale_after, scale_after_value,
-                softmax: bool, out: Tensor) -> Tensor:
+def merges_in_output_pass(n_rows: int, n_cols: int, n_parts: int, y_element_size: int, softmax: bool) -> bool:
+    """Whether the output pass should merge the strips' statistics itself: every program of it merges
+    its columns' partials (twice for the softmax, once per sweep), which is cheap only while the
+    partials are few against the rows it normalizes."""
+    row_programs = triton.cdiv(n_rows, SOFTMAX_BLOCK_R if softmax else NORM_BLOCK_R)
+    merge_bytes = (2 if softmax else 1) * row_programs * n_parts * n_cols * 8
+    return merge_bytes <= max(MERGE_READS_PER_Y_READ * n_rows * n_cols * y_element_size, MERGE_BYTES_ALWAYS_CHEAP)
+
+
+def normalize_training(y: Tensor, parts: Partials, stats: Statistics, scale, scale_value, bn_weight, bn_bias,
+                       scale_after, scale_after_value, softmax: bool, out: Tensor) -> Tensor:
+    """Training: out from y and the strips' statistics, filling stats. Merges the statistics in the
+    output pass when that is cheap (one launch), else in a finalize kernel first (two)."""
+    n_rows, n_cols = y.shape
+    if merges_in_output_pass(n_rows, n_cols, parts.mean.shape[0], y.element_size(), softmax):
+        stats.parts = parts
+    else:
+        finalize_statistics(stats, parts, n_rows)
+    return output_pass(y, scale, scale_value, stats, bn_weight, bn_bias, scale_after, scale_after_value,
+                       softmax, out)
+
+
+def output_pass(y: Tensor, scale, scale_value, stats: Statistics, bn_weight, bn_bias, scale_after,
+                scale_after_value, softmax: bool, out: Tensor) -> Tensor:
     """Writes out = [softmax](((y * s1 - mean) * invstd * gamma + beta) * s2). `out` may be y itself:
     every program reads a tile (or a row) before it writes it, and nothing else reads it."""
     n_rows, n_cols = y.shape
-    placeholder = mean  # for absent optional tensors; the kernels never read it
+    pointers, sizes, scalars = stats.kernel_args()
+    placeholder = stats.mean  # for absent optional tensors; the kernels never read it
     args = (
-        y, scale if scale is not None else placeholder, mean, invstd,
-        bn_weight if bn_weight is not None else placeholder, bn_bias if bn_bias is not None else placeholder,
-        scale_after if scale_after is not None else placeholder, out,
-        n_rows, n_cols,
+        y, _or(scale, placeholder), _or(bn_weight, placeholder), _or(bn_bias, placeholder),
+        _or(scale_after, placeholder), out,
+        *pointers,
+        n_rows, n_cols, *sizes,
         y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        scale_value, scale_after_value,
+        scale_value, scale_after_value, *scalars,
     )
     meta = dict(SCALE_MODE=scale_mode(scale), SCALE_AFTER_MODE=scale_mode(scale_after),
-                HAS_GAMMA=bn_weight is not None, HAS_BETA=bn_bias is not None)
+                HAS_GAMMA=bn_weight is not None, HAS_BETA=bn_bias is not None,
+                MERGE=stats.parts is not None, UPDATE_RUNNING=stats.parts is not None and stats.update_running)
     if softmax:
         block_c = min(SOFTMAX_MAX_BLOCK_C, triton.next_power_of_2(n_cols))
         _normalize_softmax_kernel[(triton.cdiv(n_rows, SOFTMAX_BLOCK_R),)](
@@ -418,58 +558,59 @@ def scale_batch_norm(
     """The passes after a GEMM that did not compute statistics (cuBLAS), on its output y of shape (N, F).
 
     Returns (out, new_running_mean, new_running_var, mean, invstd). Training: one statistics pass over
-    y, a merge over F-sized vectors, then one output pass (elementwise, or row-wise with the softmax).
-    Eval: the output pass, after a tiny kernel that turns the running variance into invstd.
+    y, then the output pass (elementwise, or row-wise with the softmax), with a merge over F-sized
+    vectors in between unless the output pass merges. Eval: the output pass, after a tiny kernel that
+    turns the running variance into invstd.
     """
     n_rows, n_cols = y.shape
     if not training and running_mean is None:
         raise ValueError("batch_norm in eval mode needs running statistics")
     check_batch_size(training, y)
-    parts = partial_statistics(y, scale, scale_value) if training else (None, None, 0)
-    mean, invstd, new_mean, new_var = finalize_statistics(*parts, n_rows, n_cols, running_mean, running_var,
-                                                          training, momentum, eps, y.device)
+    stats = Statistics.allocate(n_cols, y.device, training, running_mean, running_var, momentum, eps)
     if out is None:
         out = torch.empty((n_rows, n_cols), device=y.device, dtype=out_dtype)
-    output_pass(y, scale, scale_value, mean, invstd, bn_weight, bn_bias, scale_after, scale_after_value,
-                softmax, out)
-    return out, new_mean, new_var, mean, invstd
+    norm = (scale, scale_value, bn_weight, bn_bias, scale_after, scale_after_value, softmax, out)
+    if training:
+        normalize_training(y, partial_statistics(y, scale, scale_value), stats, *norm)
+    else:
+        finalize_statistics(stats, None, n_rows)
+        output_pass(y, scale, scale_value, stats, *norm[2:])
+    return out, stats.new_mean, stats.new_var, stats.mean, stats.invstd
 
 
 def gemm_batch_norm(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
                     training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax,
                     precision: str, config: gemm.GemmConfig):
     """The op on the Triton GEMM: statistics (training) or the whole eval-mode normalization (without
-    softmax) in its epilogue. Training: GEMM, finalize, output pass. Eval: the GEMM alone, or GEMM and
-    the softmax pass. Returns the op's six outputs."""
+    softmax) in its epilogue. Training: GEMM and output pass (with a finalize launch between them when
+    the row tiles are many). Eval: the GEMM alone, or GEMM and the softmax pass. Returns the op's six
+    outputs."""
     if not training and running_mean is None:
         raise ValueError("batch_norm in eval mode needs running statistics")
-    n_rows, n_cols = x.shape[0], weight.shape[0]
+    n_cols = weight.shape[0]
     scales = dict(scale=scale, scale_value=scale_value)
+    norm = (bn_weight, bn_bias, scale_after, scale_after_value, softmax)
+    stats = Statistics.allocate(n_cols, x.device, training, running_mean, running_var, momentum, eps)
     if training:
         g = gemm.linear_epilogue(x, weight, bias, precision, config, epilogue=gemm.STATISTICS, **scales)
-        mean, invstd, new_mean, new_var = finalize_statistics(
-            g.part_mean, g.part_m2, g.rows_per_part, n_rows, n_cols, running_mean, running_var,
-            training, momentum, eps, x.device)
-        y = g.y
-        out = output_pass(y, scale, scale_value, mean, invstd, bn_weight, bn_bias, scale_after, scale_after_value,
-                          softmax, _output_buffer(y, out_dtype, keep_linear))
+        y, out = g.y, _output_buffer(g.y, out_dtype, keep_linear)
+        normalize_training(y, Partials(g.part_mean, g.part_m2, g.rows_per_part), stats, scale, scale_value,
+                           *norm, out)
     else:
-        mean, invstd = _fp32_vector(n_cols, x.device), _fp32_vector(n_cols, x.device)
-        new_mean, new_var = _new_running_stats(training, running_mean, running_var, x.device)
-        eval_stats = dict(running_mean=running_mean, running_var=running_var, eps=eps, mean=mean, invstd=invstd)
+        eval_stats = dict(running_mean=running_mean, running_var=running_var, eps=eps, mean=stats.mean,
+                          invstd=stats.invstd)
         if softmax:
             g = gemm.linear_epilogue(x, weight, bias, precision, config, epilogue=gemm.LINEAR, **scales,
                                      **eval_stats)
             y = g.y
-            out = output_pass(y, scale, scale_value, mean, invstd, bn_weight, bn_bias, scale_after,
-                              scale_after_value, softmax, _output_buffer(y, out_dtype, keep_linear))
+            out = output_pass(y, scale, scale_value, stats, *norm, _output_buffer(y, out_dtype, keep_linear))
         else:
             g = gemm.linear_epilogue(
                 x, weight, bias, precision, config, epilogue=gemm.NORMALIZE, store_y=keep_linear, **scales,
                 **eval_stats, bn_weight=bn_weight, bn_bias=bn_bias, scale_after=scale_after,
                 scale_after_value=scale_after_value, out_dtype=out_dtype)
             y, out = g.y, g.out
-    return out, new_mean, new_var, y if keep_linear else y.new_empty(0), mean, invstd
+    return out, stats.new_mean, stats.new_var, y if keep_linear else y.new_empty(0), stats.mean, stats.invstd
 
 
 def cublas_batch_norm(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,

@@ -202,6 +202,59 @@ def test_tail_kernels_match_reference(n, k, f, training, scale_after, softmax):
                                    rtol=1e-5, atol=0)  # fp32 probabilities
 
 
+PASS_KERNELS = ("_partial_stats_kernel", "_finalize_stats_kernel", "_normalize_kernel", "_normalize_softmax_kernel")
+
+
+def record_launches(monkeypatch) -> list[str]:
+    """Records, in order, the names of the pass kernels launched from here on."""
+    launched = []
+    for name in PASS_KERNELS:
+        monkeypatch.setattr(lowering, name, _Recording(getattr(lowering, name), name, launched))
+    return launched
+
+
+class _Recording:
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("merge", [True, False])
+@pytest.mark.parametrize("softmax", [True, False])
+@pytest.mark.parametrize("running", [True, False])
+def test_statistics_merged_in_the_output_pass_or_in_a_finalize_launch(monkeypatch, merge, softmax, running):
+    """Training: the output pass merges the strips' statistics itself (one launch fewer), or reads
+    what a finalize launch merged. Both give the reference's output, statistics and running statistics.
+    70 rows make three strips; 300 features make several column blocks, the softmax's included."""
+    monkeypatch.setattr(lowering, "merges_in_output_pass", lambda *args: merge)
+    launched = record_launches(monkeypatch)
+    case = make_case(70, 9, 300, running=running)
+    tail = (None, 0.8, softmax)
+    y, args = kernel_args(case, True, torch.float32, tail)
+    out, new_mean, new_var, mean, invstd = lowering.scale_batch_norm(y, *args)
+    ref_out, ref_new_mean, ref_new_var, _, ref_mean, ref_invstd = reference_of(case, True, torch.float32, tail)
+    output_kernel = "_normalize_softmax_kernel" if softmax else "_normalize_kernel"
+    assert launched == ["_partial_stats_kernel"] + ([] if merge else ["_finalize_stats_kernel"]) + [output_kernel]
+    assert_no_further_from_float64("output", out, ref_out, float64_chain(y, case, True, tail))
+    torch.testing.assert_close(mean, ref_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(invstd, ref_invstd, rtol=1e-5, atol=0)
+    torch.testing.assert_close(new_mean, ref_new_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(new_var, ref_new_var, rtol=1e-5, atol=0)
+    assert new_mean.numel() == (300 if running else 0)
+
+
+def test_output_pass_merges_only_few_partials():
+    """Small problems merge in the output pass (at most two launches with the GEMM); large ones, whose
+    every output program would re-read many partials, keep the finalize launch."""
+    assert lowering.merges_in_output_pass(128, 512, 1, 4, softmax=True)
+    assert lowering.merges_in_output_pass(1024, 8192, 8, 2, softmax=False)
+    assert not lowering.merges_in_output_pass(1024, 8192, 8, 2, softmax=True)
+    assert not lowering.merges_in_output_pass(16384, 4096, 128, 4, softmax=False)
+
+
 @pytest.mark.parametrize("value", [float("-inf"), float("inf"), float("nan")])
 def test_softmax_non_finite_like_eager(value):
     """Eval mode (running statistics stay finite): a row holding -inf, +inf or NaN behaves as eager's
