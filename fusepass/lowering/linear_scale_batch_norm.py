@@ -860,7 +860,7 @@ def _backward(ctx, grad_out, *_grads_of_non_differentiable_outputs):
     grad_x = grad_y @ weight if need[X] else None
     grad_w = grad_y.t() @ x if need[WEIGHT] else None
     grad_b = _linear_bias_grad(ctx, grad_y) if need[BIAS] else None
-    grad_scale = _scale_grad(ctx, scale, s1, grad_z, y, sum_g_xhat, invstd) if need[SCALE] else None
+    grad_scale = _scale_grad(ctx, scale, s1, grad_z, y, g_hat, sum_g_xhat, invstd) if need[SCALE] else None
     grad_gamma = (g * x_hat).sum(0).to(bn_weight.dtype) if need[BN_WEIGHT] else None
     grad_beta = g.sum(0).to(bn_bias.dtype) if need[BN_BIAS] else None
     return (grad_x, grad_w, grad_b, grad_scale, None, grad_gamma, grad_beta,
@@ -875,16 +875,22 @@ def _linear_bias_grad(ctx, grad_y):
     return grad_y.float().sum(0).to(ctx.bias_dtype)
 
 
-def _scale_grad(ctx, scale, s, grad_z, y, sum_g_xhat, invstd):
-    per_feature = (grad_z * y).sum(0)
-    if ctx.training:
-        # Scaling a feature changes its normalized value only through eps, so sum(grad_z * y) cancels
-        # almost completely. Its exact value, sum(g_hat * x_hat) * eps * invstd^2 / s, does not
-        # (derivation: sum(grad_z) = sum(x_hat) = 0 and mean(x_hat^2) = var * invstd^2). At s == 0
-        # the direct form is exact.
-        closed_form = sum_g_xhat * ctx.eps * invstd * invstd / s
-        per_feature = torch.where(s != 0, closed_form, per_feature)
-    return _reduce_to(per_feature, scale)
+def _scale_grad(ctx, scale, s, grad_z, y, g_hat, sum_g_xhat, invstd):
+    if not ctx.training:
+        return _reduce_to((grad_z * y).sum(0), scale)
+    # Scaling a feature changes its normalized value only through eps, so the direct sum(grad_z * y)
+    # cancels almost completely. Its exact value, sum(g_hat * x_hat) * eps * invstd^2 / s, does not
+    # (derivation: sum(grad_z) = sum(x_hat) = 0 and mean(x_hat^2) = var * invstd^2).
+    closed_form = sum_g_xhat * ctx.eps * invstd * invstd / s
+    # At s == 0, x_hat is 0 and the gradient is invstd * sum((g_hat - mean(g_hat)) * y): the co-moment of
+    # g_hat and y. It is taken from column sums of the same kind as sum_g_xhat, which the compiled
+    # backward makes in the same reduction (the direct form needs a second pass over an (N, F) grad_z):
+    # in float64, where products of fp32 values are exact, and shifted by the first row, so that a
+    # constant g_hat gives exactly 0.
+    g64, y64 = g_hat.double(), y.double()
+    dg, dy = g64 - g64[:1], y64 - y64[:1]
+    co_moment = ((dg * dy).sum(0) - dg.sum(0) * (dy.sum(0) / y.shape[0])).float()
+    return _reduce_to(torch.where(s != 0, closed_form, invstd * co_moment), scale)
 
 
 def _reduce_to(grad: Tensor, scale: Tensor) -> Tensor:

@@ -165,6 +165,38 @@ def test_backward_matches_eager_autograd(device, training, scale):
             assert_no_further_from_float64(f"grad {key}", fc[key].grad, ec[key].grad, rc[key].grad)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", ["per_feature", "single"])
+@pytest.mark.parametrize("upstream", ["random", "constant"])
+def test_scale_gradient_at_zero_scale(device, scale, upstream):
+    """Training with a scale of exactly 0 (some features, or the one shared value): batch norm then sees
+    z = 0 and the scale's gradient is invstd times the co-moment of the upstream gradient and y, which
+    the backward takes from shifted column sums. Against eager autograd by float64; a constant upstream
+    gradient makes that co-moment exactly 0."""
+    results = {}
+    for name, dtype in (("fused", torch.float32), ("eager", torch.float32), ("ref", torch.float64)):
+        case = make_case(48, 24, 40, scale=scale, dtype=dtype, device=device, requires_grad=True)
+        with torch.no_grad():
+            case["scale"][::3] = 0.0
+        if name == "fused":
+            out = OP(*case.values(), True, 0.1, 1e-5, dtype, True, *NO_TAIL, *DEFAULT_KERNEL)[0]
+        else:
+            z = F.linear(case["x"], case["weight"], case["bias"]) * case["scale"]
+            out = F.batch_norm(z, case["running_mean"], case["running_var"], case["bn_weight"], case["bn_bias"],
+                               True, 0.1, 1e-5)
+        if upstream == "constant":
+            out.sum().backward()
+        else:
+            projection = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+            (out.double() * projection.to(device)).sum().backward()
+        results[name] = case
+    fused, eager, ref = (results[k]["scale"].grad for k in ("fused", "eager", "ref"))
+    assert torch.isfinite(fused).all()
+    if upstream == "constant":
+        assert torch.equal(fused, torch.zeros_like(fused)) if scale == "single" else (fused[::3] == 0).all()
+    assert_no_further_from_float64("grad scale", fused, eager, ref)
+
+
 # --------------------------------------------------------------------------- the tail: scale and softmax
 
 
