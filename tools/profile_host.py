@@ -1,0 +1,91 @@
+"""Where a compiled model's time goes, per provider: host time per call (calls queued without
+synchronizing, so this is CPU work alone), wall time per call, the CUDA kernels one call launches
+(torch.profiler), and for fusepass a cProfile of the host side.
+
+    python tools/profile_host.py demos/problems/gemm_scale_batchnorm_1024.py --mode train \
+        --precision bf16-autocast [--backward] [--providers eager inductor fusepass]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import copy
+import io
+import pstats
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fusepass.bench import load, make_provider, precision_context, to_device
+
+
+def per_call_us(fn, calls: int) -> tuple[float, float]:
+    """(host µs, wall µs) per call over `calls` queued calls."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    queued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    return (queued - start) / calls * 1e6, (done - start) / calls * 1e6
+
+
+def kernel_table(fn, calls: int) -> str:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90)
+
+
+def host_profile(fn, calls: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(35)
+    return text.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("problem")
+    parser.add_argument("--mode", choices=("train", "eval"), default="train")
+    parser.add_argument("--precision", default="bf16-autocast")
+    parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--providers", nargs="+", default=["eager", "inductor", "fusepass"])
+    parser.add_argument("--calls", type=int, default=100)
+    args = parser.parse_args()
+
+    module = load(args.problem, 1)
+    torch.manual_seed(0)
+    base = module.Model(*module.get_init_inputs()).cuda().train(args.mode == "train")
+    inputs = to_device(module.get_inputs(), "cuda")
+    grad = args.backward or args.mode == "train"
+    print(f"{args.problem} {args.mode} {args.precision} backward={args.backward} {torch.cuda.get_device_name()}")
+    for provider in args.providers:
+        model = make_provider(provider, copy.deepcopy(base))
+
+        def call():
+            with precision_context(args.precision, "cuda"), torch.set_grad_enabled(grad):
+                out = model(*inputs)
+            if args.backward:
+                out.float().sum().backward()
+
+        for _ in range(5):
+            call()
+        host, wall = per_call_us(call, args.calls)
+        print(f"\n=== {provider}: host {host:.1f} us/call, wall {wall:.1f} us/call")
+        print(kernel_table(call, 10))
+        if provider.startswith("fusepass"):
+            print(host_profile(call, args.calls))
+
+
+if __name__ == "__main__":
+    main()
