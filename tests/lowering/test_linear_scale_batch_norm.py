@@ -172,14 +172,16 @@ def test_scale_gradient_at_zero_scale(device, scale, upstream):
     """Training with a scale of exactly 0 (some features, or the one shared value): batch norm then sees
     z = 0 and the scale's gradient is invstd times the co-moment of the upstream gradient and y, which
     the backward takes from shifted column sums. Against eager autograd by float64; a constant upstream
-    gradient makes that co-moment exactly 0."""
+    gradient makes that co-moment exactly 0. The op runs eager's GEMM (cuBLAS IEEE): this gradient is
+    linear in y, and on an H200, with one shared scale, the op measured 1.2e-6 from float64 on the
+    3xTF32 GEMM, 4.1e-7 on cuBLAS and eager 2.9e-7: the GEMM's share is not what this test is about."""
     results = {}
     for name, dtype in (("fused", torch.float32), ("eager", torch.float32), ("ref", torch.float64)):
         case = make_case(48, 24, 40, scale=scale, dtype=dtype, device=device, requires_grad=True)
         with torch.no_grad():
             case["scale"][::3] = 0.0
         if name == "fused":
-            out = OP(*case.values(), True, 0.1, 1e-5, dtype, True, *NO_TAIL, *DEFAULT_KERNEL)[0]
+            out = OP(*case.values(), True, 0.1, 1e-5, dtype, True, *NO_TAIL, "ieee", "cublas")[0]
         else:
             z = F.linear(case["x"], case["weight"], case["bias"]) * case["scale"]
             out = F.batch_norm(z, case["running_mean"], case["running_var"], case["bn_weight"], case["bn_bias"],
