@@ -18,6 +18,7 @@ bf16/fp16 inputs use the native dot, fp32 accumulation.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusepass.lowering.tiles import batch_norm_tile, inverse_std, load_scale, scale_mode, tile_column_stats
 
@@ -41,23 +43,39 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = False  # load the operand tiles through TMA tensor descriptors (Hopper's bulk copy engine)
 
     def describe(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} "
-                f"w{self.num_warps} s{self.num_stages}")
+                f"w{self.num_warps} s{self.num_stages}" + (" tma" if self.tma else ""))
+
+    def with_tma(self) -> "GemmConfig":
+        return dataclasses.replace(self, tma=True)
 
 
 def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
     """Candidate tile shapes, from one place, best first (measured on an H200 with tools/tune_gemm.py;
     the first is the default when tuning is off). Three-pass fp32 keeps a second accumulator and the
-    split halves in registers, so it gets 128 x 128 tiles; small 64-row tiles are for small problems."""
+    split halves in registers, so it gets 128 x 128 tiles; small 64-row tiles are for small problems.
+    The first config is also offered with TMA loads (used only where tma_usable says so)."""
     if precision == "tf32x3":
-        return [GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(64, 64, 64, 8, 4, 3)]
-    if precision == "split_w":
-        return [GemmConfig(128, 128, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 8, 4)]
-    if precision == "tf32":
-        return [GemmConfig(128, 256, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 4, 4), GemmConfig(64, 64, 64, 8, 4, 3)]
-    return [GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(64, 64, 64, 8, 4, 3)]
+        configs = [GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(64, 64, 64, 8, 4, 3)]
+    elif precision == "split_w":
+        configs = [GemmConfig(128, 128, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 8, 4)]
+    elif precision == "tf32":
+        configs = [GemmConfig(128, 256, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 4, 4), GemmConfig(64, 64, 64, 8, 4, 3)]
+    else:
+        configs = [GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(64, 64, 64, 8, 4, 3)]
+    return configs + [configs[0].with_tma()]
+
+
+def tma_usable(*tensors: Tensor) -> bool:
+    """TMA descriptors need Hopper or newer (or the interpreter), a contiguous last dimension, and
+    16-byte aligned base and row stride."""
+    if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
+        return False
+    return all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               for t in tensors)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -124,7 +142,7 @@ def _linear_epilogue_kernel(
     HAS_BIAS: tl.constexpr, SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr,
     HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # Grouped tile order: GROUP_M row tiles share each W column tile while it is in L2.
     pid = tl.program_id(0)
@@ -138,32 +156,42 @@ def _linear_epilogue_kernel(
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    # Out-of-range rows/columns wrap around for the loads (always in bounds, no masks in the main
-    # loop); their results are never stored.
-    x_ptrs = x_ptr + (rows % M)[:, None] * stride_xm + ks[None, :] * stride_xk
-    w_offsets = (cols % N)[None, :] * stride_wn + ks[:, None] * stride_wk
-    w_ptrs = w_ptr + w_offsets
-    w_lo_ptrs = w_lo_ptr + w_offsets
-
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            a = tl.load(x_ptrs, mask=(k0 + ks)[None, :] < K, other=0.0)
-            b = tl.load(w_ptrs, mask=(k0 + ks)[:, None] < K, other=0.0)
-        b_lo = b
-        if PRECISION == 4:
+    if USE_TMA:
+        # x_ptr, w_ptr, w_lo_ptr are tensor descriptors: the copy engine fetches whole tiles, zero-filled
+        # past the edges, so no masks and no address arithmetic in the loop.
+        for k0 in range(0, K, BLOCK_K):
+            a = x_ptr.load([pid_m * BLOCK_M, k0])
+            b = w_ptr.load([pid_n * BLOCK_N, k0]).T
+            b_lo = b
+            if PRECISION == 4:
+                b_lo = w_lo_ptr.load([pid_n * BLOCK_N, k0]).T
+            acc = _dot(a, b, b_lo, acc, PRECISION)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        # Out-of-range rows/columns wrap around for the loads (always in bounds, no masks in the main
+        # loop); their results are never stored.
+        x_ptrs = x_ptr + (rows % M)[:, None] * stride_xm + ks[None, :] * stride_xk
+        w_offsets = (cols % N)[None, :] * stride_wn + ks[:, None] * stride_wk
+        w_ptrs = w_ptr + w_offsets
+        w_lo_ptrs = w_lo_ptr + w_offsets
+        for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
-                b_lo = tl.load(w_lo_ptrs)
+                a = tl.load(x_ptrs)
+                b = tl.load(w_ptrs)
             else:
-                b_lo = tl.load(w_lo_ptrs, mask=(k0 + ks)[:, None] < K, other=0.0)
-        acc = _dot(a, b, b_lo, acc, PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-        w_lo_ptrs += BLOCK_K * stride_wk
+                a = tl.load(x_ptrs, mask=(k0 + ks)[None, :] < K, other=0.0)
+                b = tl.load(w_ptrs, mask=(k0 + ks)[:, None] < K, other=0.0)
+            b_lo = b
+            if PRECISION == 4:
+                if EVEN_K:
+                    b_lo = tl.load(w_lo_ptrs)
+                else:
+                    b_lo = tl.load(w_lo_ptrs, mask=(k0 + ks)[:, None] < K, other=0.0)
+            acc = _dot(a, b, b_lo, acc, PRECISION)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+            w_lo_ptrs += BLOCK_K * stride_wk
 
     row_mask = rows < M
     col_mask = cols < N
@@ -249,9 +277,15 @@ def linear_epilogue(
     def opt(t: Optional[Tensor]) -> Tensor:
         return t if t is not None else placeholder
 
+    operands = (x, weight, w_lo)
+    if config.tma:
+        if not tma_usable(x, weight, w_lo):
+            raise ValueError("linear_epilogue: these operands cannot be loaded through TMA descriptors")
+        operands = (_descriptor(x, config.block_m, config.block_k), _descriptor(weight, config.block_n, config.block_k),
+                    _descriptor(w_lo, config.block_n, config.block_k))
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _linear_epilogue_kernel[grid](
-        x, weight, w_lo, opt(bias),
+        *operands, opt(bias),
         opt(scale), opt(running_mean), opt(running_var), opt(bn_weight), opt(bn_bias), opt(scale_after),
         y, opt(out), part_mean, part_m2, opt(mean), opt(invstd),
         m, n, k,
@@ -262,7 +296,11 @@ def linear_epilogue(
         HAS_BIAS=bias is not None, SCALE_MODE=scale_mode(scale), SCALE_AFTER_MODE=scale_mode(scale_after),
         HAS_GAMMA=bn_weight is not None, HAS_BETA=bn_bias is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        EVEN_K=k % config.block_k == 0,
+        EVEN_K=k % config.block_k == 0, USE_TMA=config.tma,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return GemmOutputs(y, out, part_mean if n_parts else None, part_m2 if n_parts else None, config.block_m)
+
+
+def _descriptor(t: Tensor, block_rows: int, block_cols: int) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block_rows, block_cols])

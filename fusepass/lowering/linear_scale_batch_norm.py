@@ -654,18 +654,20 @@ def matmul_precision(dtype: torch.dtype, fp32_matmul: str) -> str:
     return "tf32x3"
 
 
-def implementations(x: Tensor, precision: str, gemm_choice: str,
-                    n_features: int = 1) -> dict[str, Callable[..., tuple]]:
-    """Every way to run the op for inputs like x (and n_features outputs), by name, first the default;
-    each takes the op's 17 leading arguments. Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever
-    gemm_choice says, and so are problems too large for the GEMM kernel's 32-bit offsets."""
+def implementations(x: Tensor, weight: Tensor, precision: str, gemm_choice: str) -> dict[str, Callable[..., tuple]]:
+    """Every way to run the op for operands like x and weight, by name, first the default; each takes
+    the op's 17 leading arguments. Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever gemm_choice
+    says, and so are problems too large for the GEMM kernel's 32-bit offsets. TMA tile configs are
+    offered where the operands allow descriptors."""
     candidates = {}
-    if gemm_choice in ("auto", "triton") and precision != "ieee" and _fits_int32_offsets(x, n_features):
+    if gemm_choice in ("auto", "triton") and precision != "ieee" and _fits_int32_offsets(x, weight.shape[0]):
         precisions = [precision] + (["split_w"] if precision == "tf32x3" else [])
+        tma = gemm.tma_usable(x, weight)
         for p in precisions:
             for config in gemm.gemm_configs(p, x.dtype):
-                candidates[f"triton {p} {config.describe()}"] = functools.partial(
-                    gemm_batch_norm, precision=p, config=config)
+                if tma or not config.tma:
+                    candidates[f"triton {p} {config.describe()}"] = functools.partial(
+                        gemm_batch_norm, precision=p, config=config)
     if gemm_choice in ("auto", "cublas") or not candidates:
         candidates["cublas"] = functools.partial(cublas_batch_norm, precision=precision)
     return candidates
@@ -684,7 +686,7 @@ def choose_implementation(args: tuple, precision: str, gemm_choice: str) -> Call
     chosen = _CHOSEN.get(problem)
     if chosen is None:
         x, weight = args[0], args[1]
-        candidates = implementations(x, precision, gemm_choice, weight.shape[0])
+        candidates = implementations(x, weight, precision, gemm_choice)
         name = TUNER.choose(problem.describe(), x.device,
                             {name: functools.partial(run, *args) for name, run in candidates.items()})
         chosen = candidates[name]

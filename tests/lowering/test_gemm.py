@@ -25,10 +25,16 @@ def test_tf32_split_is_exact_and_hi_fits_tf32():
 
 @pytest.mark.parametrize("m, k, n", [(37, 40, 19), (64, 48, 64), (5, 7, 3)])
 @pytest.mark.parametrize("precision", FP32_ACCURATE)
-def test_fp32_accurate_gemm_no_further_from_float64_than_cublas(m, k, n, precision):
+@pytest.mark.parametrize("tma", [False, True])
+def test_fp32_accurate_gemm_no_further_from_float64_than_cublas(m, k, n, precision, tma):
     g = torch.Generator().manual_seed(m + k + n)
     x, w, b = (torch.randn(shape, generator=g).to(KERNEL_DEVICE) for shape in ((m, k), (n, k), (n,)))
-    y = gemm.linear_epilogue(x, w, b, precision, SMALL).y
+    if tma and not gemm.tma_usable(x, w):
+        assert k * 4 % 16 != 0 or x.is_cuda  # rows of 7 floats are not 16-byte aligned: no descriptors
+        with pytest.raises(ValueError, match="TMA"):
+            gemm.linear_epilogue(x, w, b, precision, SMALL.with_tma())
+        return
+    y = gemm.linear_epilogue(x, w, b, precision, SMALL.with_tma() if tma else SMALL).y
     assert_no_further_from_float64("linear", y, F.linear(x, w, b), F.linear(x.double(), w.double(), b.double()))
 
 
@@ -59,14 +65,15 @@ def test_statistics_epilogue_per_row_tile(scale):
                                rtol=1e-4, atol=1e-4)
 
 
-IMPLEMENTATIONS = [("triton", "tf32x3"), ("triton", "split_w"), ("cublas", "tf32x3"), ("cublas", "ieee")]
+IMPLEMENTATIONS = [("triton", "tf32x3"), ("triton", "split_w"), ("triton-tma", "tf32x3"), ("triton-tma", "split_w"),
+                   ("cublas", "tf32x3"), ("cublas", "ieee")]
 
 
 def run_implementation(case, impl, precision, training, keep_linear, tail, out_dtype=torch.float32):
     args = (*case.values(), training, 0.1, 1e-5, out_dtype, keep_linear, *tail)
     if impl == "cublas":
         return lowering.cublas_batch_norm(*args, precision)
-    return lowering.gemm_batch_norm(*args, precision, SMALL)
+    return lowering.gemm_batch_norm(*args, precision, SMALL.with_tma() if impl == "triton-tma" else SMALL)
 
 
 @pytest.mark.parametrize("impl, precision", IMPLEMENTATIONS)
@@ -95,7 +102,7 @@ def test_implementations_match_reference_and_float64(impl, precision, training, 
 HALF_DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=[pytest.mark.cuda, requires_cuda])]
 
 
-@pytest.mark.parametrize("impl, precision", [("triton", "native"), ("cublas", "native")])
+@pytest.mark.parametrize("impl, precision", [("triton", "native"), ("triton-tma", "native"), ("cublas", "native")])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_half_precision_implementations(impl, precision, training, dtype):
@@ -141,14 +148,17 @@ def test_matmul_precision_follows_torch_tf32_flag():
 
 def test_candidates_per_choice():
     x = make_case(8, 16, 4)["x"]
-    auto = lowering.implementations(x, "tf32x3", "auto")
+    auto = lowering.implementations(x, x, "tf32x3", "auto")
     assert "cublas" in auto and any(name.startswith("triton tf32x3") for name in auto)
     assert any(name.startswith("triton split_w") for name in auto)
-    assert list(lowering.implementations(x, "tf32x3", "cublas")) == ["cublas"]
-    assert "cublas" not in lowering.implementations(x, "tf32", "triton")
-    assert list(lowering.implementations(x, "ieee", "triton")) == ["cublas"]
+    assert list(lowering.implementations(x, x, "tf32x3", "cublas")) == ["cublas"]
+    assert "cublas" not in lowering.implementations(x, x, "tf32", "triton")
+    assert list(lowering.implementations(x, x, "ieee", "triton")) == ["cublas"]
+    assert any(name.endswith(" tma") for name in auto)  # 16 fp32 per row: 16-byte aligned rows
+    unaligned = make_case(8, 17, 4)["x"][:, 1:]
+    assert not any(name.endswith(" tma") for name in lowering.implementations(unaligned, unaligned, "tf32x3", "auto"))
     huge = torch.empty(2**16, 2**15, device="meta")
-    assert list(lowering.implementations(huge, "tf32x3", "auto", 2**16)) == ["cublas"]  # 2^32 outputs
+    assert list(lowering.implementations(huge, huge, "tf32x3", "auto")) == ["cublas"]  # 2^32 outputs
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -157,7 +167,7 @@ def test_every_candidate_computes_the_op(training):
     case = make_case(33, 16, 20)
     args = (*case.values(), training, 0.1, 1e-5, torch.float32, True, None, 1.0, False)
     ref = lowering.reference(*args)
-    for name, run in lowering.implementations(case["x"], "tf32x3", "auto").items():
+    for name, run in lowering.implementations(case["x"], case["weight"], "tf32x3", "auto").items():
         for got, want in zip(run(*args), ref):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
 

@@ -90,7 +90,7 @@ def test_real_tuning_of_the_op_on_gpu(cache_dir):
     case = make_case(256, 128, 96, device="cuda")
     args = (*case.values(), True, 0.1, 1e-5, torch.float32, False, None, 1.0, False)
     candidates = {name: (lambda run=run: run(*args))
-                  for name, run in lowering.implementations(case["x"], "tf32x3", "auto").items()}
+                  for name, run in lowering.implementations(case["x"], case["weight"], "tf32x3", "auto").items()}
     problem = lowering.Problem.of(args, "tf32x3", "auto").describe()
     choice = tuning.Tuner().choose(problem, torch.device("cuda"), candidates)
     assert choice in candidates
