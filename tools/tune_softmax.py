@@ -21,7 +21,7 @@ for block_r in (1, 2, 4):
                 L._normalize_softmax_kernel[(triton.cdiv(n, block_r),)](
                     y, y, gamma, beta, s2, out, *pointers, n, f, *sizes, y.stride(0), y.stride(1), out.stride(0),
                     out.stride(1), 1.0, 1.0, *scalars, SCALE_MODE=0, SCALE_AFTER_MODE=1, HAS_GAMMA=True,
-                    HAS_BETA=True, MERGE=False, UPDATE_RUNNING=False, BLOCK_R=block_r, BLOCK_C=block_c,
+                    HAS_BETA=True, STATS_SOURCE=L.READ, UPDATE_RUNNING=False, BLOCK_R=block_r, BLOCK_C=block_c,
                     ACCURATE_EXP=True, num_warps=warps)
             ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
             print(f"BLOCK_R={block_r} BLOCK_C={block_c} warps={warps}: {ms:.4f} ms")

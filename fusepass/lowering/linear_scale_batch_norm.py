@@ -228,22 +228,29 @@ def _column_statistics(
     part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
     mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
     cols, col_mask, row_program, n_rows, n_cols, n_parts, rows_per_part, momentum, eps,
-    MERGE: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
+    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
 ):
-    """(mean, invstd) of some columns for an output pass: read from mean/invstd, or (MERGE) merged
-    from the strips' statistics here, saving the finalize launch; then row program 0 writes mean/invstd
-    and the running statistics, as the finalize kernel would (a nonzero row_program writes nothing)."""
-    if MERGE:
-        count, mean, var = _merged_statistics(part_mean_ptr, part_m2_ptr, cols, col_mask, n_rows, n_cols,
-                                              n_parts, rows_per_part)
+    """(mean, invstd) of some columns for an output pass, by STATS_SOURCE: READ them from mean/invstd
+    (filled before the pass), or compute them here, saving a finalize launch, by MERGE-ing the strips'
+    statistics (training) or from the RUNNING statistics (eval). When computed here, row program 0
+    writes mean/invstd and the running-statistics update, as the finalize kernel would (a nonzero
+    row_program writes nothing)."""
+    if STATS_SOURCE == 0:
+        mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
+        invstd = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
+    else:
+        if STATS_SOURCE == 1:
+            count, mean, var = _merged_statistics(part_mean_ptr, part_m2_ptr, cols, col_mask, n_rows, n_cols,
+                                                  n_parts, rows_per_part)
+        else:
+            count = tl.zeros(cols.shape, dtype=tl.float32)
+            mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            var = tl.load(running_var_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
         # A vector comparison: Triton's interpreter rejects a mask and-ed with a scalar condition.
         store_mask = col_mask & ((cols * 0 + row_program) == 0)
         invstd = _store_statistics(mean, var, count, cols, store_mask, mean_ptr, invstd_ptr,
                                    running_mean_ptr, running_var_ptr, new_running_mean_ptr, new_running_var_ptr,
                                    momentum, eps, UPDATE_RUNNING)
-    else:
-        mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
-        invstd = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
     return mean, invstd
 
 
@@ -277,7 +284,7 @@ def _normalize_kernel(
     scale_value, scale_after_value, momentum, eps,
     # meta-parameters
     SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    MERGE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """out = ((y * s1 - mean) * invstd * gamma + beta) * s2, stored in out's dtype."""
     pid_r = tl.program_id(0)
@@ -288,7 +295,7 @@ def _normalize_kernel(
     mean, invstd = _column_statistics(
         part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
         mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
-        cols, col_mask, pid_r, n_rows, n_cols, n_parts, rows_per_part, momentum, eps, MERGE, UPDATE_RUNNING)
+        cols, col_mask, pid_r, n_rows, n_cols, n_parts, rows_per_part, momentum, eps, STATS_SOURCE, UPDATE_RUNNING)
     u = _normalized_tile(y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr, mean, invstd,
                          rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value, scale_after_value,
                          SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA)
@@ -304,7 +311,7 @@ def _softmax_logits(
     rows, c0, row_mask, row_program, n_rows, n_cols, n_parts, rows_per_part,
     stride_yr, stride_yc, scale_value, scale_after_value, momentum, eps,
     SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    MERGE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_C: tl.constexpr,
+    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One column block of the logits, -inf past the last column. Both softmax sweeps call this one
     function, so the compiler builds the same expression (and rounding) for u in each: had one sweep
@@ -315,7 +322,7 @@ def _softmax_logits(
     mean, invstd = _column_statistics(
         part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
         mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
-        cols, col_mask, row_program, n_rows, n_cols, n_parts, rows_per_part, momentum, eps, MERGE, UPDATE_RUNNING)
+        cols, col_mask, row_program, n_rows, n_cols, n_parts, rows_per_part, momentum, eps, STATS_SOURCE, UPDATE_RUNNING)
     u = _normalized_tile(y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr, mean, invstd,
                          rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value, scale_after_value,
                          SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA)
@@ -337,7 +344,7 @@ def _normalize_softmax_kernel(
     scale_value, scale_after_value, momentum, eps,
     # meta-parameters
     SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    MERGE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     ACCURATE_EXP: tl.constexpr,
 ):
     """out = softmax(u, dim=-1) for BLOCK_R whole rows of any length: an online max/sum sweep over
@@ -354,7 +361,7 @@ def _normalize_softmax_kernel(
             mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
             rows, c0, row_mask, pid_r, n_rows, n_cols, n_parts, rows_per_part,
             stride_yr, stride_yc, scale_value, scale_after_value, momentum, eps,
-            SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA, MERGE, UPDATE_RUNNING, BLOCK_C)
+            SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, BLOCK_C)
         new_max = tl.maximum(row_max, tl.max(u, axis=1))
         # While a row has seen only -inf, subtract 0 instead of -inf so that no -inf - -inf NaN appears
         # (a row that is -inf throughout still ends 0 / 0 = NaN, as in eager).
@@ -369,7 +376,7 @@ def _normalize_softmax_kernel(
             mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
             rows, c0, row_mask, 1, n_rows, n_cols, n_parts, rows_per_part,
             stride_yr, stride_yc, scale_value, scale_after_value, momentum, eps,
-            SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA, MERGE, UPDATE_RUNNING, BLOCK_C)
+            SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, BLOCK_C)
         p = tl.math.div_rn(exp_accurate(u - shift[:, None], ACCURATE_EXP), row_sum[:, None])
         tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
                  p.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -392,6 +399,10 @@ MERGE_READS_PER_Y_READ = 1.0
 MERGE_BYTES_ALWAYS_CHEAP = 4 * 2**20
 
 
+# Where an output pass gets mean and invstd (_column_statistics).
+READ, MERGE_PARTS, RUNNING = 0, 1, 2
+
+
 class Partials(NamedTuple):
     """Per strip of rows and per feature, the mean and M2 of z = y * s (strips of rows_per_part rows)."""
     mean: Tensor
@@ -402,8 +413,8 @@ class Partials(NamedTuple):
 @dataclass
 class Statistics:
     """The per-feature statistics an output pass normalizes with. mean/invstd (and the new running
-    statistics) are filled before the pass (finalize kernel, GEMM epilogue), or, when `parts` is set,
-    by the pass itself from the strips' statistics."""
+    statistics) are filled before the pass (finalize kernel, GEMM epilogue: source READ), or by the
+    pass itself: from the strips' statistics `parts` (MERGE_PARTS) or the running ones (RUNNING)."""
     mean: Tensor
     invstd: Tensor
     new_mean: Tensor
@@ -414,6 +425,7 @@ class Statistics:
     eps: float = 0.0
     parts: Optional[Partials] = None
     update_running: bool = False
+    source: int = READ
 
     @classmethod
     def allocate(cls, n_cols: int, device, training: bool, running_mean, running_var, momentum: float = 0.0,
@@ -481,9 +493,10 @@ def finalize_statistics(stats: Statistics, parts: Optional[Partials], n_rows: in
 
 
 def merges_in_output_pass(n_rows: int, n_cols: int, n_parts: int, y_element_size: int, softmax: bool) -> bool:
-    """Whether the output pass should merge the strips' statistics itself: every program of it merges
-    its columns' partials (twice for the softmax, once per sweep), which is cheap only while the
-    partials are few against the rows it normalizes."""
+    """Whether the output pass should compute the statistics itself: every program of it merges its
+    columns' partials (twice for the softmax, once per sweep), which is cheap only while the partials
+    are few against the rows it normalizes. In eval, pass n_parts=1 (the running mean and variance
+    are one partial's worth of reads)."""
     row_programs = triton.cdiv(n_rows, SOFTMAX_BLOCK_R if softmax else NORM_BLOCK_R)
     merge_bytes = (2 if softmax else 1) * row_programs * n_parts * n_cols * 8
     return merge_bytes <= max(MERGE_READS_PER_Y_READ * n_rows * n_cols * y_element_size, MERGE_BYTES_ALWAYS_CHEAP)
@@ -495,7 +508,7 @@ def normalize_training(y: Tensor, parts: Partials, stats: Statistics, scale, sca
     output pass when that is cheap (one launch), else in a finalize kernel first (two)."""
     n_rows, n_cols = y.shape
     if merges_in_output_pass(n_rows, n_cols, parts.mean.shape[0], y.element_size(), softmax):
-        stats.parts = parts
+        stats.parts, stats.source = parts, MERGE_PARTS
     else:
         finalize_statistics(stats, parts, n_rows)
     return output_pass(y, scale, scale_value, stats, bn_weight, bn_bias, scale_after, scale_after_value,
@@ -519,7 +532,7 @@ def output_pass(y: Tensor, scale, scale_value, stats: Statistics, bn_weight, bn_
     )
     meta = dict(SCALE_MODE=scale_mode(scale), SCALE_AFTER_MODE=scale_mode(scale_after),
                 HAS_GAMMA=bn_weight is not None, HAS_BETA=bn_bias is not None,
-                MERGE=stats.parts is not None, UPDATE_RUNNING=stats.parts is not None and stats.update_running)
+                STATS_SOURCE=stats.source, UPDATE_RUNNING=stats.source == MERGE_PARTS and stats.update_running)
     if softmax:
         block_c = min(SOFTMAX_MAX_BLOCK_C, triton.next_power_of_2(n_cols))
         _normalize_softmax_kernel[(triton.cdiv(n_rows, SOFTMAX_BLOCK_R),)](
@@ -559,8 +572,8 @@ def scale_batch_norm(
 
     Returns (out, new_running_mean, new_running_var, mean, invstd). Training: one statistics pass over
     y, then the output pass (elementwise, or row-wise with the softmax), with a merge over F-sized
-    vectors in between unless the output pass merges. Eval: the output pass, after a tiny kernel that
-    turns the running variance into invstd.
+    vectors in between unless the output pass merges. Eval: the output pass, which turns the running
+    variance into invstd itself, or (when that would cost it many reads) after a tiny kernel that does.
     """
     n_rows, n_cols = y.shape
     if not training and running_mean is None:
@@ -573,7 +586,10 @@ def scale_batch_norm(
     if training:
         normalize_training(y, partial_statistics(y, scale, scale_value), stats, *norm)
     else:
-        finalize_statistics(stats, None, n_rows)
+        if merges_in_output_pass(n_rows, n_cols, 1, y.element_size(), softmax):
+            stats.source = RUNNING
+        else:
+            finalize_statistics(stats, None, n_rows)
         output_pass(y, scale, scale_value, stats, *norm[2:])
     return out, stats.new_mean, stats.new_var, stats.mean, stats.invstd
 

@@ -121,7 +121,8 @@ def test_half_precision_implementations(impl, precision, training, dtype):
 @pytest.mark.parametrize("softmax", [False, True])
 def test_launches_after_the_gemm(monkeypatch, softmax):
     """Eval without softmax: the GEMM epilogue normalizes, no pass after it. Otherwise one output pass,
-    which in training merges the GEMM's per-tile statistics itself (few row tiles here)."""
+    which in training merges the GEMM's per-tile statistics itself (few row tiles here). After cuBLAS:
+    the statistics pass (training) and the output pass, which finishes the statistics itself."""
     launched = record_launches(monkeypatch)
     case = make_case(20, 16, 12)
     output_kernel = "_normalize_softmax_kernel" if softmax else "_normalize_kernel"
@@ -130,6 +131,10 @@ def test_launches_after_the_gemm(monkeypatch, softmax):
         lowering.gemm_batch_norm(*case.values(), training, 0.1, 1e-5, torch.float32, False, None, 1.0, softmax,
                                  "tf32x3", SMALL)
         assert launched == ([output_kernel] if training or softmax else [])
+        launched.clear()
+        lowering.cublas_batch_norm(*case.values(), training, 0.1, 1e-5, torch.float32, False, None, 1.0, softmax,
+                                   "tf32x3")
+        assert launched == (["_partial_stats_kernel"] if training else []) + [output_kernel]
 
 
 def test_matmul_precision_follows_torch_tf32_flag():

@@ -258,26 +258,28 @@ class _Recording:
 
 @pytest.mark.parametrize("merge", [True, False])
 @pytest.mark.parametrize("softmax", [True, False])
-@pytest.mark.parametrize("running", [True, False])
-def test_statistics_merged_in_the_output_pass_or_in_a_finalize_launch(monkeypatch, merge, softmax, running):
-    """Training: the output pass merges the strips' statistics itself (one launch fewer), or reads
-    what a finalize launch merged. Both give the reference's output, statistics and running statistics.
-    70 rows make three strips; 300 features make several column blocks, the softmax's included."""
+@pytest.mark.parametrize("training, running", [(True, True), (True, False), (False, True)])
+def test_statistics_in_the_output_pass_or_in_a_finalize_launch(monkeypatch, merge, softmax, training, running):
+    """The output pass computes the statistics itself (one launch fewer): training merges the strips'
+    statistics, eval reads the running ones; or it reads what a finalize launch computed. Both give the
+    reference's output, statistics and running statistics. 70 rows make three strips; 300 features make
+    several column blocks, the softmax's included."""
     monkeypatch.setattr(lowering, "merges_in_output_pass", lambda *args: merge)
     launched = record_launches(monkeypatch)
     case = make_case(70, 9, 300, running=running)
     tail = (None, 0.8, softmax)
-    y, args = kernel_args(case, True, torch.float32, tail)
+    y, args = kernel_args(case, training, torch.float32, tail)
     out, new_mean, new_var, mean, invstd = lowering.scale_batch_norm(y, *args)
-    ref_out, ref_new_mean, ref_new_var, _, ref_mean, ref_invstd = reference_of(case, True, torch.float32, tail)
+    ref_out, ref_new_mean, ref_new_var, _, ref_mean, ref_invstd = reference_of(case, training, torch.float32, tail)
     output_kernel = "_normalize_softmax_kernel" if softmax else "_normalize_kernel"
-    assert launched == ["_partial_stats_kernel"] + ([] if merge else ["_finalize_stats_kernel"]) + [output_kernel]
-    assert_no_further_from_float64("output", out, ref_out, float64_chain(y, case, True, tail))
+    assert launched == (["_partial_stats_kernel"] if training else []) + \
+        ([] if merge else ["_finalize_stats_kernel"]) + [output_kernel]
+    assert_no_further_from_float64("output", out, ref_out, float64_chain(y, case, training, tail))
     torch.testing.assert_close(mean, ref_mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(invstd, ref_invstd, rtol=1e-5, atol=0)
     torch.testing.assert_close(new_mean, ref_new_mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(new_var, ref_new_var, rtol=1e-5, atol=0)
-    assert new_mean.numel() == (300 if running else 0)
+    assert new_mean.numel() == (300 if training and running else 0)
 
 
 def test_output_pass_merges_only_few_partials():
