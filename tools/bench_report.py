@@ -1,7 +1,12 @@
 """Markdown tables for BENCHMARKS.md from fusepass-bench JSON files: per problem, mode and precision the
 providers' medians, fusepass's ratios, its TFLOP/s (2·N·K·F per GEMM: one in the forward, three in a
-training step, over the measured time) and, from the
+training step, over the measured time), the floor and the fraction of it reached, and, from the
 tuner's record, the GPU time of the fused op alone and the implementation it chose.
+
+The floor is a lower bound from rates measured on an H200 (BENCHMARKS.md): the GEMMs at the best
+cuBLAS rate of their precision (3xTF32: a third of TF32's), or the forward's unavoidable traffic (read
+x and W as the model holds them, write the output once) at the measured copy bandwidth, whichever is
+longer; a training step's floor counts its three GEMMs only. Left blank for other GPUs.
 
 Usage: python tools/bench_report.py FILE.json [FILE.json ...]"""
 
@@ -20,6 +25,11 @@ SIZES = {  # N, K, F of the reference problems
     "gemm_scale_batchnorm_small": (128, 1024, 512),
     "gemm_batchnorm_scale_softmax_small": (128, 1024, 512),
 }
+# Measured on an H200 (BENCHMARKS.md): cuBLAS TF32 up to 413 TFLOP/s (3xTF32: ~130 with three products),
+# cuBLAS bf16 up to 709 TFLOP/s, device copy 4.2 TB/s.
+GEMM_RATE = {"fp32": 130e12, "tf32": 413e12, "bf16-autocast": 709e12}
+COPY_BYTES_PER_S = 4.2e12
+OUT_BYTES = {"fp32": 4, "tf32": 4, "bf16-autocast": 2}
 PRECISION_IN_KEY = {"fp32": "torch.float32 tf32x3 gemm", "tf32": "torch.float32 tf32 gemm",
                     "bf16-autocast": "torch.bfloat16 native gemm"}
 
@@ -36,7 +46,14 @@ def op_timing(tuning: dict, problem: str, mode: str, precision: str) -> tuple[st
     return "", ""
 
 
+def floor_ms(n: int, k: int, f: int, precision: str, backward: bool) -> float:
+    gemm_s = 2 * n * k * f * (3 if backward else 1) / GEMM_RATE[precision]
+    traffic_s = 0.0 if backward else (4 * (n * k + f * k) + OUT_BYTES[precision] * n * f) / COPY_BYTES_PER_S
+    return max(gemm_s, traffic_s) * 1e3
+
+
 def table(payload: dict) -> str:
+    on_h200 = "H200" in payload["environment"]["device"]
     rows = []
     by_case: dict[tuple, dict] = {}
     for r in payload["results"]:
@@ -49,16 +66,18 @@ def table(payload: dict) -> str:
         gemms = 3 if payload["config"]["backward"] else 1  # forward; with the backward, two more GEMMs
         tflops = 2 * gemms * n * k * f / fused["median_ms"] / 1e9
         op_ms, chosen = op_timing(payload.get("fusepass_tuning", {}), problem, mode, precision)
+        floor = floor_ms(n, k, f, precision, payload["config"]["backward"]) if on_h200 else None
         rows.append([
             f"{problem} {n}×{k}→{f}", mode, precision,
             *(f"{providers[p]['median_ms']:.3f}" if p in providers else "" for p in ("eager", "inductor")),
             f"{fused['median_ms']:.3f}", f"{fused['speedup_vs_eager']:.2f}", f"{fused['speedup_vs_inductor']:.2f}",
-            f"{tflops:.0f}", op_ms, chosen,
+            f"{tflops:.0f}", f"{floor:.3f}" if floor else "", f"{floor / fused['median_ms']:.0%}" if floor else "",
+            op_ms, chosen,
             f"{fused['rel_error']:.2e} / {providers['eager']['rel_error']:.2e}",
             f"{providers['eager']['peak_mb']:.0f} / {fused['peak_mb']:.0f}",
         ])
     headers = ["problem", "mode", "precision", "eager ms", "Inductor ms", "fusepass ms", "vs eager", "vs Inductor",
-               "TFLOP/s", "op alone ms", "implementation chosen", "rel err fusepass / eager", "peak MB eager / fusepass"]
+               "TFLOP/s", "floor ms", "of floor", "op alone ms", "implementation chosen", "rel err fusepass / eager", "peak MB eager / fusepass"]
     return tabulate(rows, headers, tablefmt="github")
 
 
