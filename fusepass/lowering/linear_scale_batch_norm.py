@@ -206,21 +206,16 @@ def _finalize_stats_kernel(
     # scalars
     momentum, eps,
     # meta-parameters
-    TRAINING: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_C: tl.constexpr,
+    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Per column: merge the strips' statistics (training) or read the running ones (eval); emit
-    mean/invstd and update the running statistics."""
+    mean/invstd and update the running statistics. The same work an output pass does itself when it
+    computes its statistics (_column_statistics), here done once, before the pass."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < n_cols
-    if TRAINING:
-        count, mean, var = _merged_statistics(part_mean_ptr, part_m2_ptr, cols, col_mask, n_rows, n_cols,
-                                              n_parts, rows_per_part)
-    else:
-        count = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        var = tl.load(running_var_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
-    _store_statistics(mean, var, count, cols, col_mask, mean_ptr, invstd_ptr, running_mean_ptr, running_var_ptr,
-                      new_running_mean_ptr, new_running_var_ptr, momentum, eps, UPDATE_RUNNING)
+    _column_statistics(part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+                       mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
+                       cols, cols < n_cols, 0, n_rows, n_cols, n_parts, rows_per_part, momentum, eps,
+                       STATS_SOURCE, UPDATE_RUNNING)
 
 
 @triton.jit
@@ -488,7 +483,8 @@ def finalize_statistics(stats: Statistics, parts: Optional[Partials], n_rows: in
         *part_pointers, *pointers[2:],
         n_rows, n_cols, parts.mean.shape[0] if training else 0, parts.rows_per_part if training else 1,
         *scalars,
-        TRAINING=training, UPDATE_RUNNING=stats.update_running, BLOCK_C=FINALIZE_BLOCK_C,
+        STATS_SOURCE=MERGE_PARTS if training else RUNNING, UPDATE_RUNNING=stats.update_running,
+        BLOCK_C=FINALIZE_BLOCK_C,
     )
 
 
