@@ -474,16 +474,13 @@ def partial_statistics(y: Tensor, scale: Optional[Tensor], scale_value: float) -
 
 def finalize_statistics(stats: Statistics, parts: Optional[Partials], n_rows: int) -> None:
     """Fills stats' mean/invstd (and new running statistics) from the strips' statistics (training) or
-    from the running statistics (eval, parts None)."""
-    pointers, _, scalars = stats.kernel_args()
-    training = parts is not None
-    part_pointers = (parts.mean, parts.m2) if training else pointers[:2]
+    from the running statistics (eval, parts None), for an output pass that reads them."""
+    stats.parts = parts
+    pointers, sizes, scalars = stats.kernel_args()
     n_cols = stats.mean.shape[0]
     _finalize_stats_kernel[(triton.cdiv(n_cols, FINALIZE_BLOCK_C),)](
-        *part_pointers, *pointers[2:],
-        n_rows, n_cols, parts.mean.shape[0] if training else 0, parts.rows_per_part if training else 1,
-        *scalars,
-        STATS_SOURCE=MERGE_PARTS if training else RUNNING, UPDATE_RUNNING=stats.update_running,
+        *pointers, n_rows, n_cols, *sizes, *scalars,
+        STATS_SOURCE=MERGE_PARTS if parts is not None else RUNNING, UPDATE_RUNNING=stats.update_running,
         BLOCK_C=FINALIZE_BLOCK_C,
     )
 
