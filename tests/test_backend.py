@@ -302,3 +302,42 @@ def test_kernel_options_are_validated():
         torch.compile(ChainModel(), backend="fusepass", options={"fp32_matmul": "fp16"})(make_input(6, 32))
     with pytest.raises(Exception, match="gemm"):
         torch.compile(ChainModel(), backend="fusepass", options={"gemm": "cutlass"})(make_input(6, 32))
+
+
+OPAQUE_CALL = "= torch.ops.fusepass.linear_scale_batch_norm_opaque.default("
+
+
+def _compiled_code(model, *inputs) -> str:
+    """Inductor's generated code for one forward of `model` compiled by fusepass."""
+    from torch._inductor.utils import run_and_get_code
+    _out, code = run_and_get_code(torch.compile(model, backend="fusepass"), *inputs)
+    return "\n".join(code)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("training", [True, False])
+def test_where_the_fused_op_runs_in_the_compiled_graph(device, training):
+    """On CUDA the op's body is traced (a triton_op): Inductor launches its Triton kernels itself and
+    no opaque call is left. On CPU the op stays one opaque call to the PyTorch reference."""
+    torch.manual_seed(5)
+    model = ChainModel(softmax="functional").to(device).train(training)
+    code = _compiled_code(model, make_input(16, 32, device))
+    if device == "cuda":
+        assert "linear_scale_batch_norm_opaque" not in code
+        kernels = ("_linear_epilogue_kernel", "_normalize_softmax_kernel", "_partial_stats_kernel")
+        assert any(name in code for name in kernels)
+    else:
+        assert code.count(OPAQUE_CALL) == 1
+    assert fusepass_stats() == {"graphs": 1, "rewrites": 1}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_symbolic_batch_uses_the_opaque_op(device):
+    """A symbolic batch size cannot be tuned for at compile time: the op chooses when it runs."""
+    torch.manual_seed(6)
+    model = ChainModel().to(device)
+    x = make_input(8, 32, device)
+    torch._dynamo.mark_dynamic(x, 0)
+    code = _compiled_code(model, x)
+    assert code.count(OPAQUE_CALL) == 1
+    assert fusepass_stats() == {"graphs": 1, "rewrites": 1}

@@ -12,6 +12,7 @@ import argparse
 import cProfile
 import copy
 import io
+import logging
 import pstats
 import time
 
@@ -61,7 +62,11 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--providers", nargs="+", default=["eager", "inductor", "fusepass"])
     parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--verbose", action="store_true", help="log fusepass's tuning choices")
     args = parser.parse_args()
+    if args.verbose:
+        logging.basicConfig()
+        logging.getLogger("fusepass").setLevel(logging.INFO)
 
     module = load(args.problem, 1)
     torch.manual_seed(0)

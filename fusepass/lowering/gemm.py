@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fusepass.lowering.launch import launch
 from fusepass.lowering.tiles import batch_norm_tile, inverse_std, load_scale, scale_mode, tile_column_stats
 
 NATIVE, TF32, TF32X3, SPLIT_W = 0, 2, 3, 4
@@ -231,7 +232,7 @@ def split_tf32(t: Tensor) -> tuple[Tensor, Tensor]:
     t = t.contiguous()
     hi, lo = torch.empty_like(t), torch.empty_like(t)
     block = 1024
-    _tf32_split_kernel[(triton.cdiv(t.numel(), block),)](t, hi, lo, t.numel(), BLOCK=block)
+    launch(_tf32_split_kernel)[(triton.cdiv(t.numel(), block),)](t, hi, lo, t.numel(), BLOCK=block)
     return hi, lo
 
 
@@ -284,7 +285,7 @@ def linear_epilogue(
         operands = (_descriptor(x, config.block_m, config.block_k), _descriptor(weight, config.block_n, config.block_k),
                     _descriptor(w_lo, config.block_n, config.block_k))
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-    _linear_epilogue_kernel[grid](
+    launch(_linear_epilogue_kernel)[grid](
         *operands, opt(bias),
         opt(scale), opt(running_mean), opt(running_var), opt(bn_weight), opt(bn_bias), opt(scale_after),
         y, opt(out), part_mean, part_m2, opt(mean), opt(invstd),

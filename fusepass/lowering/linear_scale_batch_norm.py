@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -31,13 +32,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from fusepass.lowering import gemm
+from fusepass.lowering.launch import launch, real_tensors
 from fusepass.lowering.tiles import (INTERPRETED, batch_norm_tile, chan_merge, exp_accurate, inverse_std,
                                      load_scale, scale_mode, tile_column_stats)
 from fusepass.lowering.tuning import TUNER, capturing
 
 OP_NAME = "fusepass::linear_scale_batch_norm"
+# Set (to anything) to keep the op opaque to torch.compile on CUDA too (see linear_scale_batch_norm).
+OPAQUE_ENV = "FUSEPASS_OPAQUE"
 
 
 def check_batch_size(training: bool, x: Tensor) -> None:
@@ -462,7 +467,7 @@ def partial_statistics(y: Tensor, scale: Optional[Tensor], scale_value: float) -
     n_parts = triton.cdiv(n_rows, rows_per_part)
     part_mean = torch.empty((n_parts, n_cols), device=y.device, dtype=torch.float32)
     part_m2 = torch.empty_like(part_mean)
-    _partial_stats_kernel[(n_parts, triton.cdiv(n_cols, STATS_BLOCK_C))](
+    launch(_partial_stats_kernel)[(n_parts, triton.cdiv(n_cols, STATS_BLOCK_C))](
         y, scale if scale is not None else part_mean, part_mean, part_m2,
         n_rows, n_cols, rows_per_part,
         y.stride(0), y.stride(1),
@@ -478,7 +483,7 @@ def finalize_statistics(stats: Statistics, parts: Optional[Partials], n_rows: in
     stats.parts = parts
     pointers, sizes, scalars = stats.kernel_args()
     n_cols = stats.mean.shape[0]
-    _finalize_stats_kernel[(triton.cdiv(n_cols, FINALIZE_BLOCK_C),)](
+    launch(_finalize_stats_kernel)[(triton.cdiv(n_cols, FINALIZE_BLOCK_C),)](
         *pointers, n_rows, n_cols, *sizes, *scalars,
         STATS_SOURCE=MERGE_PARTS if parts is not None else RUNNING, UPDATE_RUNNING=stats.update_running,
         BLOCK_C=FINALIZE_BLOCK_C,
@@ -528,11 +533,11 @@ def output_pass(y: Tensor, scale, scale_value, stats: Statistics, bn_weight, bn_
                 STATS_SOURCE=stats.source, UPDATE_RUNNING=stats.source == MERGE_PARTS and stats.update_running)
     if softmax:
         block_c = min(SOFTMAX_MAX_BLOCK_C, triton.next_power_of_2(n_cols))
-        _normalize_softmax_kernel[(triton.cdiv(n_rows, SOFTMAX_BLOCK_R),)](
+        launch(_normalize_softmax_kernel)[(triton.cdiv(n_rows, SOFTMAX_BLOCK_R),)](
             *args, **meta, BLOCK_R=SOFTMAX_BLOCK_R, BLOCK_C=block_c, ACCURATE_EXP=not INTERPRETED,
             num_warps=max(4, min(16, block_c // 128)))
     else:
-        _normalize_kernel[(triton.cdiv(n_rows, NORM_BLOCK_R), triton.cdiv(n_cols, NORM_BLOCK_C))](
+        launch(_normalize_kernel)[(triton.cdiv(n_rows, NORM_BLOCK_R), triton.cdiv(n_cols, NORM_BLOCK_C))](
             *args, **meta, BLOCK_R=NORM_BLOCK_R, BLOCK_C=NORM_BLOCK_C)
     return out
 
@@ -663,23 +668,32 @@ def matmul_precision(dtype: torch.dtype, fp32_matmul: str) -> str:
     return "tf32x3"
 
 
-def implementations(x: Tensor, weight: Tensor, precision: str, gemm_choice: str) -> dict[str, Callable[..., tuple]]:
+def implementations(x: Tensor, weight: Tensor, precision: str, gemm_choice: str,
+                    traced: bool = False) -> dict[str, Callable[..., tuple]]:
     """Every way to run the op for operands like x and weight, by name, first the default; each takes
     the op's 17 leading arguments. Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever gemm_choice
     says, and so are problems too large for the GEMM kernel's 32-bit offsets. TMA tile configs are
-    offered where the operands allow descriptors."""
+    offered where the operands allow descriptors. `traced`: only those that can run inside Inductor's
+    graph (may be none; see _traceable)."""
     candidates = {}
     if gemm_choice in ("auto", "triton") and precision != "ieee" and _fits_int32_offsets(x, weight.shape[0]):
         precisions = [precision] + (["split_w"] if precision == "tf32x3" else [])
-        tma = gemm.tma_usable(x, weight)
+        # Traced, the operands' addresses (and so their TMA alignment) are not known yet.
+        tma = not traced and gemm.tma_usable(x, weight)
         for p in precisions:
             for config in gemm.gemm_configs(p, x.dtype):
                 if tma or not config.tma:
                     candidates[f"triton {p} {config.describe()}"] = functools.partial(
                         gemm_batch_norm, precision=p, config=config)
-    if gemm_choice in ("auto", "cublas") or not candidates:
+    if (gemm_choice in ("auto", "cublas") or not candidates) and (not traced or _cublas_traceable(precision)):
         candidates["cublas"] = functools.partial(cublas_batch_norm, precision=precision)
     return candidates
+
+
+def _cublas_traceable(precision: str) -> bool:
+    """A traced F.linear becomes Inductor's matmul, which follows torch's global TF32 flag when it runs:
+    right only where that flag already gives the precision asked for."""
+    return precision == "native" or torch.backends.cuda.matmul.allow_tf32 == (precision == "tf32")
 
 
 def _fits_int32_offsets(x: Tensor, n_features: int) -> bool:
@@ -688,20 +702,54 @@ def _fits_int32_offsets(x: Tensor, n_features: int) -> bool:
     return x.numel() <= limit and x.shape[0] * n_features <= limit and x.shape[1] * n_features <= limit
 
 
-def choose_implementation(args: tuple, precision: str, gemm_choice: str) -> Callable[..., tuple]:
+def choose_implementation(args: tuple, precision: str, gemm_choice: str,
+                          traced: bool = False) -> Optional[Callable[..., tuple]]:
     """The implementation for these arguments: from a per-process table (this runs on every call),
-    else from the tuner (timing, or its disk cache)."""
-    problem = Problem.of(args, precision, gemm_choice)
-    chosen = _CHOSEN.get(problem)
-    if chosen is None:
-        x, weight = args[0], args[1]
-        candidates = implementations(x, weight, precision, gemm_choice)
+    else from the tuner (timing, or its disk cache). `traced`: args are fake (the op is being traced
+    for Inductor); candidates are timed on random stand-ins of the same shapes, and there may be none."""
+    problem = Problem.of(args, precision, gemm_choice, traced)
+    chosen = _CHOSEN.get(problem, _NOT_CHOSEN)
+    if chosen is not _NOT_CHOSEN:
+        return chosen
+    x, weight = args[0], args[1]
+    candidates = implementations(x, weight, precision, gemm_choice, traced)
+    if not candidates:
+        chosen = None
+    elif traced:
+        with real_tensors():
+            stand_ins = functools.cache(lambda: _stand_ins(args))
+            name = TUNER.choose(problem.describe(), x.device,
+                                {name: functools.partial(_call_on, run, stand_ins) for name, run in candidates.items()})
+        chosen = candidates[name]
+    else:
         name = TUNER.choose(problem.describe(), x.device,
                             {name: functools.partial(run, *args) for name, run in candidates.items()})
         chosen = candidates[name]
-        if not capturing(x.device):  # a choice made during a CUDA graph capture was not timed
-            _CHOSEN[problem] = chosen
+    if not capturing(x.device):  # a choice made during a CUDA graph capture was not timed
+        _CHOSEN[problem] = chosen
     return chosen
+
+
+def _call_on(run: Callable[..., tuple], make_args: Callable[[], tuple]) -> tuple:
+    return run(*make_args())
+
+
+# Argument positions whose stand-ins need particular values.
+RUNNING_VAR = 8
+
+
+def _stand_ins(args: tuple) -> tuple:
+    """Real tensors shaped like args' (fake) ones, with values of the kind they hold, for timing."""
+    def real(position: int, value):
+        if not isinstance(value, Tensor):
+            return value
+        t = torch.randn(tuple(value.shape), dtype=value.dtype, device=value.device)
+        return t.abs() + 0.5 if position == RUNNING_VAR else t
+    return tuple(real(i, a) for i, a in enumerate(args))
+
+
+def _static_shapes(args: tuple) -> bool:
+    return all(isinstance(size, int) for a in args if isinstance(a, Tensor) for size in a.shape)
 
 
 class Problem(NamedTuple):
@@ -722,30 +770,32 @@ class Problem(NamedTuple):
     scale_modes: tuple[int, int]
     affine: tuple[bool, bool]
     running: bool
+    traced: bool
 
     @classmethod
-    def of(cls, args: tuple, precision: str, gemm_choice: str) -> "Problem":
+    def of(cls, args: tuple, precision: str, gemm_choice: str, traced: bool = False) -> "Problem":
         (x, weight, bias, scale, _sv, bn_weight, bn_bias, running_mean, _rv, training, _m, _e, out_dtype,
          keep_linear, scale_after, _sav, softmax) = args
         return cls(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, precision, gemm_choice, training,
                    softmax, keep_linear, out_dtype, bias is not None, (scale_mode(scale), scale_mode(scale_after)),
-                   (bn_weight is not None, bn_bias is not None), running_mean is not None)
+                   (bn_weight is not None, bn_bias is not None), running_mean is not None, traced)
 
     def describe(self) -> str:
         """The tuner's key (the device is in the tuner's own part of it)."""
         return (f"{OP_NAME} {self.n}x{self.k}->{self.f} {self.dtype} {self.precision} gemm={self.gemm_choice} "
                 f"train={self.training} softmax={self.softmax} keep={self.keep_linear} out={self.out_dtype} "
                 f"bias={self.has_bias} scale={self.scale_modes[0]},{self.scale_modes[1]} "
-                f"affine={self.affine[0]},{self.affine[1]} running={self.running}")
+                f"affine={self.affine[0]},{self.affine[1]} running={self.running}" + (" traced" if self.traced else ""))
 
 
-_CHOSEN: dict[Problem, Callable[..., tuple]] = {}
+_CHOSEN: dict[Problem, Optional[Callable[..., tuple]]] = {}
+_NOT_CHOSEN = object()
 
 
 # --------------------------------------------------------------------------- op registration
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
+@torch.library.triton_op(OP_NAME, mutates_args=())
 def linear_scale_batch_norm(
     x: Tensor,
     weight: Tensor,
@@ -772,10 +822,23 @@ def linear_scale_batch_norm(
     new_running_* are empty unless training with running statistics; linear_out (kept for the
     backward) is empty unless keep_linear. fp32_matmul: "tf32x3" or "ieee" (see matmul_precision);
     gemm_choice: "auto" (time both), "triton" or "cublas". Both only steer the CUDA implementation.
+
+    A triton_op: torch.compile traces this body, so Inductor launches its kernels from the compiled
+    graph. Where that cannot be done (not CUDA, symbolic shapes, no traceable implementation) the body
+    calls the opaque op, which chooses and launches at run time.
     """
     _check_choices(fp32_matmul, gemm_choice)
-    return reference(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
-                     training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax)
+    args = (x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
+            training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax)
+    run = None
+    if x.device.type == "cuda" and not os.environ.get(OPAQUE_ENV):
+        check_batch_size(training, x)
+        traced = is_fake(x)
+        if not traced or _static_shapes(args):
+            run = choose_implementation(args, *_cuda_choices(x, weight, fp32_matmul, gemm_choice), traced=traced)
+    if run is None:
+        return torch.ops.fusepass.linear_scale_batch_norm_opaque(*args, fp32_matmul, gemm_choice)
+    return run(*args)
 
 
 def _check_choices(fp32_matmul: str, gemm_choice: str) -> None:
@@ -788,21 +851,54 @@ def _check_choices(fp32_matmul: str, gemm_choice: str) -> None:
 TRITON_GEMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@linear_scale_batch_norm.register_kernel("cuda")
-def _cuda(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
-          training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax,
-          fp32_matmul, gemm_choice):
+def _cuda_choices(x: Tensor, weight: Tensor, fp32_matmul: str, gemm_choice: str) -> tuple[str, str]:
+    """(GEMM precision, gemm choice) for a CUDA call: dtypes the Triton GEMM lacks go to cuBLAS."""
+    if x.dtype not in TRITON_GEMM_DTYPES or weight.dtype != x.dtype:
+        gemm_choice = "cublas"
+    return matmul_precision(x.dtype, fp32_matmul), gemm_choice
+
+
+@torch.library.custom_op(OP_NAME + "_opaque", mutates_args=())
+def _opaque(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    scale: Optional[Tensor],
+    scale_value: float,
+    bn_weight: Optional[Tensor],
+    bn_bias: Optional[Tensor],
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    training: bool,
+    momentum: float,
+    eps: float,
+    out_dtype: torch.dtype,
+    keep_linear: bool,
+    scale_after: Optional[Tensor],
+    scale_after_value: float,
+    softmax: bool,
+    fp32_matmul: str,
+    gemm_choice: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The op as one call that torch.compile does not look into: the plain-PyTorch reference on CPU
+    (and other devices); on CUDA, the implementation chosen for the real arguments when it runs."""
+    _check_choices(fp32_matmul, gemm_choice)
+    return reference(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
+                     training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax)
+
+
+@_opaque.register_kernel("cuda")
+def _opaque_cuda(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
+                 training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax,
+                 fp32_matmul, gemm_choice):
     _check_choices(fp32_matmul, gemm_choice)
     check_batch_size(training, x)
     args = (x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
             training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax)
-    if x.dtype not in TRITON_GEMM_DTYPES or weight.dtype != x.dtype:
-        gemm_choice = "cublas"
-    precision = matmul_precision(x.dtype, fp32_matmul)
-    return choose_implementation(args, precision, gemm_choice)(*args)
+    return choose_implementation(args, *_cuda_choices(x, weight, fp32_matmul, gemm_choice))(*args)
 
 
-@linear_scale_batch_norm.register_fake
+@_opaque.register_fake
 def _fake(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
           training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax,
           fp32_matmul, gemm_choice):

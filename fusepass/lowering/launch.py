@@ -1,0 +1,41 @@
+"""How the fused ops' bodies launch Triton kernels, both when they run and when torch.compile traces them.
+
+A `torch.library.triton_op` body runs twice in a compiled model's life: traced (fake tensors, under
+AOTAutograd's functionalization) and, in eager use, for real. Traced, every kernel must be called through
+`wrap_triton`, so that Inductor sees it and launches it from its generated code (its launcher costs a
+fraction of Triton's Python one). For real, the plain kernel is the cheapest call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch._library.triton import set_wrap_triton_enabled
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.library import wrap_triton
+from torch.utils._python_dispatch import _disable_current_modes
+
+_MODE_KEYS = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
+              torch._C._TorchDispatchModeKey.FUNCTIONAL)
+
+
+def tracing() -> bool:
+    """Whether a dispatch mode (fake tensors, functionalization, FX tracing, a user's mode) is active,
+    i.e. the tensors reaching a kernel may not be real device memory."""
+    return torch._C._len_torch_dispatch_stack() > 0 or any(
+        torch._C._get_dispatch_mode(key) is not None for key in _MODE_KEYS)
+
+
+def launch(kernel):
+    """`kernel`, ready for `[grid](...)`: wrapped for tracing while tracing, else itself."""
+    return wrap_triton(kernel) if tracing() else kernel
+
+
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
+    """Leaves tracing for a moment: tensors made inside are real and kernels launch for real. Used to
+    time implementations on stand-in inputs while an op is being traced."""
+    with _disable_current_modes(), unset_fake_temporarily(), set_wrap_triton_enabled(False), torch.no_grad():
+        yield
