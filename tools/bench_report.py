@@ -1,7 +1,9 @@
 """Markdown tables for BENCHMARKS.md from fusepass-bench JSON files: per problem, mode and precision the
 providers' medians, fusepass's ratios, its TFLOP/s (2·N·K·F per GEMM: one in the forward, three in a
 training step, over the measured time), the floor and the fraction of it reached, and, from the
-tuner's record, the GPU time of the fused op alone and the implementation it chose.
+tuner's record of this process, the GPU time of the fused op alone and the implementation it chose
+(blank where the problem was tuned by an earlier process and read from the disk cache). Inductor's
+max-autotune mode has its own columns where the run measured it.
 
 The floor is a lower bound from rates measured on an H200 (BENCHMARKS.md): the GEMMs at the best
 cuBLAS rate of their precision (3xTF32: a third of TF32's), or the forward's unavoidable traffic (read
@@ -67,16 +69,20 @@ def table(payload: dict) -> str:
         tflops = 2 * gemms * n * k * f / fused["median_ms"] / 1e9
         op_ms, chosen = op_timing(payload.get("fusepass_tuning", {}), problem, mode, precision)
         floor = floor_ms(n, k, f, precision, payload["config"]["backward"]) if on_h200 else None
+        autotuned = providers.get("max-autotune", {}).get("median_ms")
         rows.append([
             f"{problem} {n}×{k}→{f}", mode, precision,
             *(f"{providers[p]['median_ms']:.3f}" if p in providers else "" for p in ("eager", "inductor")),
+            f"{autotuned:.3f}" if autotuned else "",
             f"{fused['median_ms']:.3f}", f"{fused['speedup_vs_eager']:.2f}", f"{fused['speedup_vs_inductor']:.2f}",
+            f"{autotuned / fused['median_ms']:.2f}" if autotuned else "",
             f"{tflops:.0f}", f"{floor:.3f}" if floor else "", f"{floor / fused['median_ms']:.0%}" if floor else "",
             op_ms, chosen,
             f"{fused['rel_error']:.2e} / {providers['eager']['rel_error']:.2e}",
             f"{providers['eager']['peak_mb']:.0f} / {fused['peak_mb']:.0f}",
         ])
-    headers = ["problem", "mode", "precision", "eager ms", "Inductor ms", "fusepass ms", "vs eager", "vs Inductor",
+    headers = ["problem", "mode", "precision", "eager ms", "Inductor ms", "max-autotune ms", "fusepass ms", "vs eager",
+               "vs Inductor", "vs max-autotune",
                "TFLOP/s", "floor ms", "of floor", "op alone ms", "implementation chosen", "rel err fusepass / eager", "peak MB eager / fusepass"]
     return tabulate(rows, headers, tablefmt="github")
 

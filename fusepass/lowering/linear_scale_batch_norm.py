@@ -858,33 +858,18 @@ def _cuda_choices(x: Tensor, weight: Tensor, fp32_matmul: str, gemm_choice: str)
     return matmul_precision(x.dtype, fp32_matmul), gemm_choice
 
 
-@torch.library.custom_op(OP_NAME + "_opaque", mutates_args=())
-def _opaque(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    scale: Optional[Tensor],
-    scale_value: float,
-    bn_weight: Optional[Tensor],
-    bn_bias: Optional[Tensor],
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    training: bool,
-    momentum: float,
-    eps: float,
-    out_dtype: torch.dtype,
-    keep_linear: bool,
-    scale_after: Optional[Tensor],
-    scale_after_value: float,
-    softmax: bool,
-    fp32_matmul: str,
-    gemm_choice: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _opaque(*op_args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The op as one call that torch.compile does not look into: the plain-PyTorch reference on CPU
     (and other devices); on CUDA, the implementation chosen for the real arguments when it runs."""
+    *args, fp32_matmul, gemm_choice = op_args
     _check_choices(fp32_matmul, gemm_choice)
-    return reference(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
-                     training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax)
+    return reference(*args)
+
+
+# The same arguments as the traced op, under its own name.
+_opaque = torch.library.custom_op(
+    OP_NAME + "_opaque", _opaque, mutates_args=(),
+    schema=str(linear_scale_batch_norm._opoverload._schema).removeprefix(OP_NAME))
 
 
 @_opaque.register_kernel("cuda")

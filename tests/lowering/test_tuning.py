@@ -96,3 +96,45 @@ def test_real_tuning_of_the_op_on_gpu(cache_dir):
     assert choice in candidates
     assert list(json.loads((cache_dir / "tuning.json").read_text()).values()) == [choice]
     assert tuning.Tuner().choose(problem, torch.device("cuda"), {"cublas": candidates["cublas"], choice: None}) == choice
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_candidates_are_timed_from_a_cuda_graph(monkeypatch):
+    """GPU time alone: a candidate that allocates and launches is captured and replayed, without the
+    Python-timed fallback."""
+    import triton.testing
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("timed from Python")
+
+    monkeypatch.setattr(triton.testing, "do_bench", no_fallback)
+    x = torch.randn(512, 512, device="cuda")
+    assert 0 < tuning._gpu_time(lambda: (x @ x).relu()) < 1.0
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_traced_op_is_tuned_on_stand_ins(cache_dir, monkeypatch):
+    """Traced (fake arguments), the op is tuned on real stand-ins of the same shapes. Candidates: no TMA
+    (alignment is unknown), and cuBLAS only where the global TF32 flag gives the precision asked for."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from tests.lowering.test_linear_scale_batch_norm import make_case
+    import fusepass.lowering.linear_scale_batch_norm as lowering
+
+    monkeypatch.setattr(lowering, "_CHOSEN", {})
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    with FakeTensorMode():
+        case = make_case(256, 128, 96, device="cuda")
+        args = (*case.values(), True, 0.1, 1e-5, torch.float32, False, None, 1.0, False)
+        x, w = case["x"], case["weight"]
+        traced = lowering.implementations(x, w, "tf32x3", "auto", traced=True)
+        assert not any(name.endswith(" tma") for name in traced) and "cublas" in traced
+        assert list(lowering.implementations(x, w, "ieee", "auto", traced=True)) == ["cublas"]
+        chosen = lowering.choose_implementation(args, "tf32x3", "auto", traced=True)
+    assert any(run.func is chosen.func and run.keywords == chosen.keywords for run in traced.values())
+    [key] = json.loads((cache_dir / "tuning.json").read_text())
+    assert key.endswith(" traced")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    with FakeTensorMode():
+        assert lowering.implementations(case["x"], case["weight"], "ieee", "auto", traced=True) == {}
