@@ -15,8 +15,13 @@ gemm.py with the statistics (training) or the whole normalization (eval) in its 
 the passes below; or cuBLAS's GEMM followed by a statistics pass and the same passes. The fp32 GEMM is
 3xTF32 (fp32-accurate) unless torch allows TF32 (then TF32, as eager) or the op is asked for IEEE FMA.
 
+The op is a triton_op: on CUDA with static shapes torch.compile traces its body (the implementation is
+chosen then, timed on stand-in inputs) and Inductor launches the kernels. Otherwise it calls an opaque
+custom op that chooses and launches at run time (and on CPU runs the reference).
+
 Contents, in order: the plain-PyTorch reference (also the CPU implementation), the Triton passes, the
-launchers, the choice between implementations, the op registration with its fake and autograd formulas.
+launchers, the choice between implementations, the op registrations (traced and opaque, the latter
+with its fake), the autograd formula.
 """
 
 from __future__ import annotations
