@@ -679,7 +679,7 @@ def implementations(x: Tensor, weight: Tensor, precision: str, gemm_choice: str,
     the op's 17 leading arguments. Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever gemm_choice
     says, and so are problems too large for the GEMM kernel's 32-bit offsets. TMA tile configs are
     offered where the operands allow descriptors. `traced`: only those that can run inside Inductor's
-    graph (may be none; see _traceable)."""
+    graph (may be none; see _cublas_traceable)."""
     candidates = {}
     if gemm_choice in ("auto", "triton") and precision != "ieee" and _fits_int32_offsets(x, weight.shape[0]):
         precisions = [precision] + (["split_w"] if precision == "tf32x3" else [])
@@ -863,7 +863,7 @@ def _cuda_choices(x: Tensor, weight: Tensor, fp32_matmul: str, gemm_choice: str)
     return matmul_precision(x.dtype, fp32_matmul), gemm_choice
 
 
-def _opaque(*op_args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _opaque_default(*op_args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The op as one call that torch.compile does not look into: the plain-PyTorch reference on CPU
     (and other devices); on CUDA, the implementation chosen for the real arguments when it runs."""
     *args, fp32_matmul, gemm_choice = op_args
@@ -873,7 +873,7 @@ def _opaque(*op_args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
 
 # The same arguments as the traced op, under its own name.
 _opaque = torch.library.custom_op(
-    OP_NAME + "_opaque", _opaque, mutates_args=(),
+    OP_NAME + "_opaque", _opaque_default, mutates_args=(),
     schema=str(linear_scale_batch_norm._opoverload._schema).removeprefix(OP_NAME))
 
 
