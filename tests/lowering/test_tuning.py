@@ -137,4 +137,4 @@ def test_traced_op_is_tuned_on_stand_ins(cache_dir, monkeypatch):
     assert key.endswith(" traced")
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     with FakeTensorMode():
-        assert lowering.implementations(case["x"], case["weight"], "ieee", "auto", traced=True) == {}
+        assert lowering.implementations(x, w, "ieee", "auto", traced=True) == {}
