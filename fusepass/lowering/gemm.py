@@ -13,7 +13,10 @@ fp32 precisions (PRECISION meta-parameter): TF32 (what eager does when TF32 is a
 (Triton's three-pass split: fp32-accurate on tensor cores), SPLIT_W (the same three passes with W split
 into tf32 hi + lo once, in memory, so the main loop splits only the x tile). Plain fp32 FMA is left to
 cuBLAS (linear_scale_batch_norm.py): a Triton FMA GEMM measured 2.7x eager's error in a gradient.
-bf16/fp16 inputs use the native dot, fp32 accumulation.
+bf16/fp16 GEMMs use the native dot, fp32 accumulation. The operands may come in a wider dtype than
+the GEMM's (autocast: fp32 x and W, bf16 GEMM): the kernel rounds each tile to the GEMM's dtype as it
+loads it, exactly as a cast before the GEMM would (both round to nearest even), so no rounded copy of x
+or W is written and read again.
 """
 
 from __future__ import annotations
@@ -54,12 +57,17 @@ class GemmConfig:
         return dataclasses.replace(self, tma=True)
 
 
-def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
+def gemm_configs(precision: str, operand_dtype: torch.dtype = torch.float32) -> list[GemmConfig]:
     """Candidate tile shapes, from one place, best first (measured on an H200 with tools/tune_gemm.py;
     the first is the default when tuning is off). Three-pass fp32 keeps a second accumulator and the
     split halves in registers, so it gets 128 x 128 tiles; small 64-row tiles are for small problems.
-    The first config is also offered with TMA loads (used only where tma_usable says so)."""
-    if precision == "tf32x3":
+    A 16-bit GEMM of 4-byte operands (rounded as loaded) stages twice the bytes per tile, so its K
+    blocks are halved to fit shared memory. The first config is also offered with TMA loads (used only
+    where tma_usable says so)."""
+    if precision == "native" and operand_dtype.itemsize == 4:
+        configs = [GemmConfig(128, 256, 32, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 32, 8, 4, 4),
+                   GemmConfig(64, 64, 64, 8, 4, 3)]
+    elif precision == "tf32x3":
         configs = [GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(64, 64, 64, 8, 4, 3)]
     elif precision == "split_w":
         configs = [GemmConfig(128, 128, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 8, 4)]
@@ -157,6 +165,8 @@ def _linear_epilogue_kernel(
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # y is in the GEMM's dtype; operand tiles in a wider one (autocast) are rounded to it as loaded.
+    gemm_dtype = y_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
         # x_ptr, w_ptr, w_lo_ptr are tensor descriptors: the copy engine fetches whole tiles, zero-filled
@@ -167,7 +177,7 @@ def _linear_epilogue_kernel(
             b_lo = b
             if PRECISION == 4:
                 b_lo = w_lo_ptr.load([pid_n * BLOCK_N, k0]).T
-            acc = _dot(a, b, b_lo, acc, PRECISION)
+            acc = _dot(a.to(gemm_dtype), b.to(gemm_dtype), b_lo, acc, PRECISION)
     else:
         ks = tl.arange(0, BLOCK_K)
         # Out-of-range rows/columns wrap around for the loads (always in bounds, no masks in the main
@@ -189,7 +199,7 @@ def _linear_epilogue_kernel(
                     b_lo = tl.load(w_lo_ptrs)
                 else:
                     b_lo = tl.load(w_lo_ptrs, mask=(k0 + ks)[:, None] < K, other=0.0)
-            acc = _dot(a, b, b_lo, acc, PRECISION)
+            acc = _dot(a.to(gemm_dtype), b.to(gemm_dtype), b_lo, acc, PRECISION)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
             w_lo_ptrs += BLOCK_K * stride_wk
@@ -198,9 +208,10 @@ def _linear_epilogue_kernel(
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(gemm_dtype)
+        acc += bias.to(tl.float32)[None, :]
     # Round to the linear's dtype as eager's linear does; everything after reads the rounded value.
-    y = acc.to(y_ptr.dtype.element_ty)
+    y = acc.to(gemm_dtype)
     if STORE_Y:
         tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn, y, mask=mask)
     y = y.to(tl.float32)
@@ -253,11 +264,16 @@ def linear_epilogue(
     bn_weight: Optional[Tensor] = None, bn_bias: Optional[Tensor] = None,
     scale_after: Optional[Tensor] = None, scale_after_value: float = 1.0,
     out_dtype: Optional[torch.dtype] = None, mean: Optional[Tensor] = None, invstd: Optional[Tensor] = None,
+    gemm_dtype: Optional[torch.dtype] = None,
 ) -> GemmOutputs:
     """Runs the GEMM with its epilogue. `mean`/`invstd` (F-sized fp32) are filled from the running
-    statistics when given (eval mode)."""
+    statistics when given (eval mode). `gemm_dtype` (default x's): the dtype the GEMM runs in and y is
+    stored in; x, weight and bias are rounded to it as loaded (autocast)."""
+    gemm_dtype = gemm_dtype or x.dtype
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_epilogue: bad shapes {tuple(x.shape)} @ {tuple(weight.shape)}^T")
+    if gemm_dtype == torch.float32 and (x.dtype, weight.dtype) != (torch.float32, torch.float32):
+        raise ValueError(f"linear_epilogue: an fp32 GEMM needs fp32 operands, got {x.dtype} @ {weight.dtype}")
     if epilogue == NORMALIZE and mean is None:
         raise ValueError("linear_epilogue: the NORMALIZE epilogue needs mean/invstd outputs (eval mode)")
     m, k = x.shape
@@ -266,7 +282,7 @@ def linear_epilogue(
     w_lo = weight
     if precision == "split_w":
         weight, w_lo = split_tf32(weight)
-    y = torch.empty((m, n) if store_y else (0, 0), device=device, dtype=x.dtype)
+    y = torch.empty((m, n) if store_y else (0, 0), device=device, dtype=gemm_dtype)
     out = torch.empty((m, n), device=device, dtype=out_dtype) if epilogue == NORMALIZE else None
     n_parts = triton.cdiv(m, config.block_m) if epilogue == STATISTICS else 0
     part_mean = torch.empty((n_parts, n), device=device, dtype=torch.float32)
@@ -292,7 +308,7 @@ def linear_epilogue(
         m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *y_strides, *out_strides,
         scale_value, scale_after_value, eps,
-        PRECISION=PRECISIONS[precision] if x.dtype == torch.float32 else NATIVE,
+        PRECISION=PRECISIONS[precision] if gemm_dtype == torch.float32 else NATIVE,
         EPILOGUE=epilogue, STORE_Y=store_y, EVAL_STATS=mean is not None,
         HAS_BIAS=bias is not None, SCALE_MODE=scale_mode(scale), SCALE_AFTER_MODE=scale_mode(scale_after),
         HAS_GAMMA=bn_weight is not None, HAS_BETA=bn_bias is not None,
