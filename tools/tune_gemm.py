@@ -6,6 +6,7 @@ Usage: python tools/tune_gemm.py [--json FILE] [--quick] [--shapes N] [--dtypes 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -18,8 +19,8 @@ from fusepass.lowering import gemm
 # Tried besides the candidates, to see whether the candidate list should change.
 EXTRA_CONFIGS = [gemm.GemmConfig(128, 256, 32, 8, 8, 3), gemm.GemmConfig(128, 128, 32, 8, 8, 4),
                  gemm.GemmConfig(256, 128, 32, 8, 8, 3)]
-AUTOCAST_EXTRA_CONFIGS = [gemm.GemmConfig(128, 256, 32, 8, 8, 4), gemm.GemmConfig(256, 128, 32, 8, 8, 3),
-                          gemm.GemmConfig(128, 128, 64, 8, 8, 3).with_tma()]
+AUTOCAST_CONFIGS = [gemm.GemmConfig(128, 256, 32, 8, 8, 3), gemm.GemmConfig(128, 256, 32, 8, 8, 4),
+                    gemm.GemmConfig(128, 128, 64, 8, 8, 3), gemm.GemmConfig(256, 128, 32, 8, 8, 3)]
 SHAPES = [(16384, 4096, 4096), (1024, 8192, 8192), (128, 1024, 512)]
 
 
@@ -38,17 +39,26 @@ def run_case(m, k, n, dtype, precision, config, x, w, b, s, ref, kernel=None):
 
 
 def autocast_rows(m, k, n, dtype, x, w, b, s, ref, quick):
-    """The cast autocast puts before a 16-bit GEMM, and the GEMM that rounds fp32 operands as it loads."""
-    cast_ms = triton.testing.do_bench(lambda: (x.to(dtype), w.to(dtype), b.to(dtype)), return_mode="median")
-    rows = [dict(m=m, k=k, n=n, dtype=str(dtype).split(".")[-1], kernel="cast x, W, b from fp32", ms=cast_ms)]
-    configs = gemm.gemm_configs("native", torch.float32) + AUTOCAST_EXTRA_CONFIGS
-    for config in configs[:2] if quick else configs:
-        try:
-            rows.append(run_case(m, k, n, dtype, "native", config, x, w, b, s, ref, kernel="triton native, fp32 operands"))
-        except Exception as exc:
-            rows.append(dict(m=m, k=k, n=n, dtype=str(dtype), kernel="triton native, fp32 operands",
-                             config=config.describe(), error=repr(exc)[:120]))
-        print(rows[-1], flush=True)
+    """The casts autocast puts before a 16-bit GEMM, and the GEMM that rounds fp32 operands as it loads
+    them (both, or one with the other cast before), with and without swapped dot operands."""
+    name = str(dtype).split(".")[-1]
+    rows = []
+    for what, fn in (("cast x, W, b", lambda: (x.to(dtype), w.to(dtype), b.to(dtype))),
+                     ("cast x", lambda: x.to(dtype)), ("cast W", lambda: w.to(dtype))):
+        rows.append(dict(m=m, k=k, n=n, dtype=name, kernel=what + " from fp32",
+                         ms=triton.testing.do_bench(fn, return_mode="median")))
+    configs = list(AUTOCAST_CONFIGS[:2] if quick else AUTOCAST_CONFIGS)
+    configs += [dataclasses.replace(c, swap_ab=True) for c in configs]
+    for label, (xd, wd) in (("x, W fp32", (x, w)), ("x fp32, W cast", (x, w.to(dtype))),
+                            ("x cast, W fp32", (x.to(dtype), w))):
+        for config in configs:
+            kernel = f"triton native, {label}"
+            try:
+                rows.append(run_case(m, k, n, dtype, "native", config, xd, wd, b, s, ref, kernel=kernel))
+            except Exception as exc:
+                rows.append(dict(m=m, k=k, n=n, dtype=name, kernel=kernel, config=config.describe(),
+                                 error=repr(exc)[:120]))
+            print(rows[-1], flush=True)
     return rows
 
 

@@ -48,10 +48,11 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     tma: bool = False  # load the operand tiles through TMA tensor descriptors (Hopper's bulk copy engine)
+    swap_ab: bool = False  # 16-bit GEMMs: compute the tile transposed, W's tile as the dot's first operand
 
     def describe(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} "
-                f"w{self.num_warps} s{self.num_stages}" + (" tma" if self.tma else ""))
+                f"w{self.num_warps} s{self.num_stages}" + (" tma" if self.tma else "") + (" swap" if self.swap_ab else ""))
 
     def with_tma(self) -> "GemmConfig":
         return dataclasses.replace(self, tma=True)
@@ -133,6 +134,20 @@ def _dot(a, b, b_lo, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _accumulate(a, b, b_lo, acc, gemm_dtype, PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc + a @ b (or, SWAP_AB, acc + b^T @ a^T: the transposed tile), operands rounded to gemm_dtype."""
+    a = a.to(gemm_dtype)
+    b = b.to(gemm_dtype)
+    if SWAP_AB:
+        # Hopper's wgmma reads its first operand from registers, its second only from shared memory: a
+        # tile rounded in registers is cheapest there.
+        acc = tl.dot(tl.trans(b), tl.trans(a), acc)
+    else:
+        acc = _dot(a, b, b_lo, acc, PRECISION)
+    return acc
+
+
+@triton.jit
 def _linear_epilogue_kernel(
     # pointers: GEMM operands
     x_ptr, w_ptr, w_lo_ptr, bias_ptr,
@@ -151,7 +166,7 @@ def _linear_epilogue_kernel(
     HAS_BIAS: tl.constexpr, SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr,
     HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     # Grouped tile order: GROUP_M row tiles share each W column tile while it is in L2.
     pid = tl.program_id(0)
@@ -167,7 +182,10 @@ def _linear_epilogue_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # y is in the GEMM's dtype; operand tiles in a wider one (autocast) are rounded to it as loaded.
     gemm_dtype = y_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
         # x_ptr, w_ptr, w_lo_ptr are tensor descriptors: the copy engine fetches whole tiles, zero-filled
         # past the edges, so no masks and no address arithmetic in the loop.
@@ -177,7 +195,7 @@ def _linear_epilogue_kernel(
             b_lo = b
             if PRECISION == 4:
                 b_lo = w_lo_ptr.load([pid_n * BLOCK_N, k0]).T
-            acc = _dot(a.to(gemm_dtype), b.to(gemm_dtype), b_lo, acc, PRECISION)
+            acc = _accumulate(a, b, b_lo, acc, gemm_dtype, PRECISION, SWAP_AB)
     else:
         ks = tl.arange(0, BLOCK_K)
         # Out-of-range rows/columns wrap around for the loads (always in bounds, no masks in the main
@@ -199,10 +217,12 @@ def _linear_epilogue_kernel(
                     b_lo = tl.load(w_lo_ptrs)
                 else:
                     b_lo = tl.load(w_lo_ptrs, mask=(k0 + ks)[:, None] < K, other=0.0)
-            acc = _dot(a.to(gemm_dtype), b.to(gemm_dtype), b_lo, acc, PRECISION)
+            acc = _accumulate(a, b, b_lo, acc, gemm_dtype, PRECISION, SWAP_AB)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
             w_lo_ptrs += BLOCK_K * stride_wk
+    if SWAP_AB:
+        acc = tl.trans(acc)
 
     row_mask = rows < M
     col_mask = cols < N
@@ -274,6 +294,8 @@ def linear_epilogue(
         raise ValueError(f"linear_epilogue: bad shapes {tuple(x.shape)} @ {tuple(weight.shape)}^T")
     if gemm_dtype == torch.float32 and (x.dtype, weight.dtype) != (torch.float32, torch.float32):
         raise ValueError(f"linear_epilogue: an fp32 GEMM needs fp32 operands, got {x.dtype} @ {weight.dtype}")
+    if config.swap_ab and gemm_dtype == torch.float32:
+        raise ValueError("linear_epilogue: swap_ab is for 16-bit GEMMs")
     if epilogue == NORMALIZE and mean is None:
         raise ValueError("linear_epilogue: the NORMALIZE epilogue needs mean/invstd outputs (eval mode)")
     m, k = x.shape
@@ -313,7 +335,7 @@ def linear_epilogue(
         HAS_BIAS=bias is not None, SCALE_MODE=scale_mode(scale), SCALE_AFTER_MODE=scale_mode(scale_after),
         HAS_GAMMA=bn_weight is not None, HAS_BETA=bn_bias is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        EVEN_K=k % config.block_k == 0, USE_TMA=config.tma,
+        EVEN_K=k % config.block_k == 0, USE_TMA=config.tma, SWAP_AB=config.swap_ab,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return GemmOutputs(y, out, part_mean if n_parts else None, part_m2 if n_parts else None, config.block_m)
