@@ -18,6 +18,14 @@ FUSED_OP = torch.ops.fusepass.linear_scale_batch_norm.default
 OUT, NEW_RUNNING_MEAN, NEW_RUNNING_VAR = 0, 1, 2
 
 
+def _cast(graph: Graph, node: Optional[Node], dtype: torch.dtype) -> Optional[Node]:
+    """Casts `node` to `dtype` in the graph, as autocast does for linear's inputs; no-op if it already is."""
+    value = meta_value(node)
+    if node is None or value is None or value.dtype == dtype:
+        return node
+    return graph.call_method("to", (node, dtype))
+
+
 def _scale_args(scale: Optional[ScaleArgs]) -> tuple[Optional[Node], float]:
     """(tensor, number) for the op: a tensor scale, or a Python number (1.0 when the step is absent)."""
     if scale is None:
@@ -33,18 +41,18 @@ def replace_chain(graph: Graph, match: Match, replaced: dict[Node, Node], kernel
     linear, bn = match.get("linear"), match.get("batch_norm")
     last = match.last
     result = meta_value(last)
-    # Under autocast the linear runs in a lower precision than its inputs. The op takes the inputs as
-    # they are and that dtype, and rounds them itself (in the GEMM's loads, not as copies in memory).
-    linear_dtype = meta_value(match.nodes[0]).dtype
+    # Under autocast the linear runs in a lower precision than its inputs: the op sees that dtype.
+    compute_dtype = meta_value(match.nodes[0]).dtype
     scale_before, scale_before_value = _scale_args(match.get("scale_before"))
     scale_after, scale_after_value = _scale_args(match.get("scale_after"))
 
-    def arg(node: Optional[Node]) -> Optional[Node]:
-        return replaced.get(node, node)
+    def arg(node: Optional[Node], cast: bool = False) -> Optional[Node]:
+        node = replaced.get(node, node)
+        return _cast(graph, node, compute_dtype) if cast else node
 
     with graph.inserting_before(last):
         fused = graph.call_function(FUSED_OP, (
-            arg(linear.x), arg(linear.weight), arg(linear.bias),
+            arg(linear.x, cast=True), arg(linear.weight, cast=True), arg(linear.bias, cast=True),
             arg(scale_before), scale_before_value,
             arg(bn.weight), arg(bn.bias), arg(bn.running_mean), arg(bn.running_var),
             bn.training, bn.momentum, bn.eps,
@@ -52,7 +60,6 @@ def replace_chain(graph: Graph, match: Match, replaced: dict[Node, Node], kernel
             bool(result.requires_grad),  # keep the linear output for the backward only if one is needed
             arg(scale_after), scale_after_value,
             match.get("softmax") is not None,
-            linear_dtype,
             kernel.fp32_matmul, kernel.gemm,
         ))
         out = graph.call_function(operator.getitem, (fused, OUT))

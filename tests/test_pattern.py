@@ -186,21 +186,6 @@ def op_arguments(node):
     return dict(zip([a.name for a in FUSED_OP._schema.arguments], node.args))
 
 
-@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16])
-def test_linear_operands_go_in_uncast_with_the_linear_dtype(autocast_dtype):
-    """Under autocast the op takes x, W and b as they are (fp32) and the dtype the linear runs in; it
-    rounds them itself, so the rewritten graph holds no casts."""
-    model = ChainModel()
-    with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-        gm = single_graph(model, make_input(8, 32))
-    rewrite(gm)
-    [fused] = [n for n in gm.graph.nodes if n.target is FUSED_OP]
-    args = op_arguments(fused)
-    assert args["linear_dtype"] == (autocast_dtype or torch.float32)
-    assert [args[name].op for name in ("x", "weight", "bias")] == ["placeholder"] * 3
-    assert count_methods(gm, "to") == 0 and count_calls(gm, (torch.ops.prims.convert_element_type.default,)) == 0
-
-
 def test_kernel_options_become_op_arguments():
     gm = single_graph(ChainModel(), make_input(8, 32))
     rewrite(gm, KernelOptions(fp32_matmul="ieee", gemm="cublas"))

@@ -13,10 +13,7 @@ fp32 precisions (PRECISION meta-parameter): TF32 (what eager does when TF32 is a
 (Triton's three-pass split: fp32-accurate on tensor cores), SPLIT_W (the same three passes with W split
 into tf32 hi + lo once, in memory, so the main loop splits only the x tile). Plain fp32 FMA is left to
 cuBLAS (linear_scale_batch_norm.py): a Triton FMA GEMM measured 2.7x eager's error in a gradient.
-bf16/fp16 GEMMs use the native dot, fp32 accumulation. The operands may come in a wider dtype than
-the GEMM's (autocast: fp32 x and W, bf16 GEMM): the kernel rounds each tile to the GEMM's dtype as it
-loads it, exactly as a cast before the GEMM would (both round to nearest even), so no rounded copy of x
-or W is written and read again.
+bf16/fp16 inputs use the native dot, fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -48,27 +45,21 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     tma: bool = False  # load the operand tiles through TMA tensor descriptors (Hopper's bulk copy engine)
-    swap_ab: bool = False  # 16-bit GEMMs: compute the tile transposed, W's tile as the dot's first operand
 
     def describe(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} "
-                f"w{self.num_warps} s{self.num_stages}" + (" tma" if self.tma else "") + (" swap" if self.swap_ab else ""))
+                f"w{self.num_warps} s{self.num_stages}" + (" tma" if self.tma else ""))
 
     def with_tma(self) -> "GemmConfig":
         return dataclasses.replace(self, tma=True)
 
 
-def gemm_configs(precision: str, operand_dtype: torch.dtype = torch.float32) -> list[GemmConfig]:
+def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
     """Candidate tile shapes, from one place, best first (measured on an H200 with tools/tune_gemm.py;
     the first is the default when tuning is off). Three-pass fp32 keeps a second accumulator and the
     split halves in registers, so it gets 128 x 128 tiles; small 64-row tiles are for small problems.
-    A 16-bit GEMM of 4-byte operands (rounded as loaded) stages twice the bytes per tile, so its K
-    blocks are halved to fit shared memory. The first config is also offered with TMA loads (used only
-    where tma_usable says so)."""
-    if precision == "native" and operand_dtype.itemsize == 4:
-        configs = [GemmConfig(128, 256, 32, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 32, 8, 4, 4),
-                   GemmConfig(64, 64, 64, 8, 4, 3)]
-    elif precision == "tf32x3":
+    The first config is also offered with TMA loads (used only where tma_usable says so)."""
+    if precision == "tf32x3":
         configs = [GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(64, 64, 64, 8, 4, 3)]
     elif precision == "split_w":
         configs = [GemmConfig(128, 128, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 8, 4)]
@@ -134,20 +125,6 @@ def _dot(a, b, b_lo, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(a, b, b_lo, acc, gemm_dtype, PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
-    """acc + a @ b (or, SWAP_AB, acc + b^T @ a^T: the transposed tile), operands rounded to gemm_dtype."""
-    a = a.to(gemm_dtype)
-    b = b.to(gemm_dtype)
-    if SWAP_AB:
-        # Hopper's wgmma reads its first operand from registers, its second only from shared memory: a
-        # tile rounded in registers is cheapest there.
-        acc = tl.dot(tl.trans(b), tl.trans(a), acc)
-    else:
-        acc = _dot(a, b, b_lo, acc, PRECISION)
-    return acc
-
-
-@triton.jit
 def _linear_epilogue_kernel(
     # pointers: GEMM operands
     x_ptr, w_ptr, w_lo_ptr, bias_ptr,
@@ -166,7 +143,7 @@ def _linear_epilogue_kernel(
     HAS_BIAS: tl.constexpr, SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr,
     HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # Grouped tile order: GROUP_M row tiles share each W column tile while it is in L2.
     pid = tl.program_id(0)
@@ -180,12 +157,7 @@ def _linear_epilogue_kernel(
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # y is in the GEMM's dtype; operand tiles in a wider one (autocast) are rounded to it as loaded.
-    gemm_dtype = y_ptr.dtype.element_ty
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
         # x_ptr, w_ptr, w_lo_ptr are tensor descriptors: the copy engine fetches whole tiles, zero-filled
         # past the edges, so no masks and no address arithmetic in the loop.
@@ -195,7 +167,7 @@ def _linear_epilogue_kernel(
             b_lo = b
             if PRECISION == 4:
                 b_lo = w_lo_ptr.load([pid_n * BLOCK_N, k0]).T
-            acc = _accumulate(a, b, b_lo, acc, gemm_dtype, PRECISION, SWAP_AB)
+            acc = _dot(a, b, b_lo, acc, PRECISION)
     else:
         ks = tl.arange(0, BLOCK_K)
         # Out-of-range rows/columns wrap around for the loads (always in bounds, no masks in the main
@@ -217,21 +189,18 @@ def _linear_epilogue_kernel(
                     b_lo = tl.load(w_lo_ptrs)
                 else:
                     b_lo = tl.load(w_lo_ptrs, mask=(k0 + ks)[:, None] < K, other=0.0)
-            acc = _accumulate(a, b, b_lo, acc, gemm_dtype, PRECISION, SWAP_AB)
+            acc = _dot(a, b, b_lo, acc, PRECISION)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
             w_lo_ptrs += BLOCK_K * stride_wk
-    if SWAP_AB:
-        acc = tl.trans(acc)
 
     row_mask = rows < M
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(gemm_dtype)
-        acc += bias.to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     # Round to the linear's dtype as eager's linear does; everything after reads the rounded value.
-    y = acc.to(gemm_dtype)
+    y = acc.to(y_ptr.dtype.element_ty)
     if STORE_Y:
         tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn, y, mask=mask)
     y = y.to(tl.float32)
@@ -284,18 +253,11 @@ def linear_epilogue(
     bn_weight: Optional[Tensor] = None, bn_bias: Optional[Tensor] = None,
     scale_after: Optional[Tensor] = None, scale_after_value: float = 1.0,
     out_dtype: Optional[torch.dtype] = None, mean: Optional[Tensor] = None, invstd: Optional[Tensor] = None,
-    gemm_dtype: Optional[torch.dtype] = None,
 ) -> GemmOutputs:
     """Runs the GEMM with its epilogue. `mean`/`invstd` (F-sized fp32) are filled from the running
-    statistics when given (eval mode). `gemm_dtype` (default x's): the dtype the GEMM runs in and y is
-    stored in; x, weight and bias are rounded to it as loaded (autocast)."""
-    gemm_dtype = gemm_dtype or x.dtype
+    statistics when given (eval mode)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_epilogue: bad shapes {tuple(x.shape)} @ {tuple(weight.shape)}^T")
-    if gemm_dtype == torch.float32 and (x.dtype, weight.dtype) != (torch.float32, torch.float32):
-        raise ValueError(f"linear_epilogue: an fp32 GEMM needs fp32 operands, got {x.dtype} @ {weight.dtype}")
-    if config.swap_ab and gemm_dtype == torch.float32:
-        raise ValueError("linear_epilogue: swap_ab is for 16-bit GEMMs")
     if epilogue == NORMALIZE and mean is None:
         raise ValueError("linear_epilogue: the NORMALIZE epilogue needs mean/invstd outputs (eval mode)")
     m, k = x.shape
@@ -304,7 +266,7 @@ def linear_epilogue(
     w_lo = weight
     if precision == "split_w":
         weight, w_lo = split_tf32(weight)
-    y = torch.empty((m, n) if store_y else (0, 0), device=device, dtype=gemm_dtype)
+    y = torch.empty((m, n) if store_y else (0, 0), device=device, dtype=x.dtype)
     out = torch.empty((m, n), device=device, dtype=out_dtype) if epilogue == NORMALIZE else None
     n_parts = triton.cdiv(m, config.block_m) if epilogue == STATISTICS else 0
     part_mean = torch.empty((n_parts, n), device=device, dtype=torch.float32)
@@ -330,12 +292,12 @@ def linear_epilogue(
         m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *y_strides, *out_strides,
         scale_value, scale_after_value, eps,
-        PRECISION=PRECISIONS[precision] if gemm_dtype == torch.float32 else NATIVE,
+        PRECISION=PRECISIONS[precision] if x.dtype == torch.float32 else NATIVE,
         EPILOGUE=epilogue, STORE_Y=store_y, EVAL_STATS=mean is not None,
         HAS_BIAS=bias is not None, SCALE_MODE=scale_mode(scale), SCALE_AFTER_MODE=scale_mode(scale_after),
         HAS_GAMMA=bn_weight is not None, HAS_BETA=bn_bias is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        EVEN_K=k % config.block_k == 0, USE_TMA=config.tma, SWAP_AB=config.swap_ab,
+        EVEN_K=k % config.block_k == 0, USE_TMA=config.tma,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return GemmOutputs(y, out, part_mean if n_parts else None, part_m2 if n_parts else None, config.block_m)

@@ -1,7 +1,7 @@
 """The fused operator ``torch.ops.fusepass.linear_scale_batch_norm``: the whole chain family
 ``linear -> [* s1] -> batch_norm -> [* s2] -> [softmax over features]`` on 2-D input, exactly as eager:
 
-    y   = linear(x, W, b)                        # in linear_dtype (x's, or autocast's), like eager
+    y   = linear(x, W, b)                        # in x's dtype, like eager
     z   = y * s1                                 # s1: per-feature, (1,), 0-d tensor or a Python number
     u   = ((z - mean) * invstd * gamma + beta) * s2   # batch statistics (training) or running ones (eval)
     out = softmax(u, dim=-1)  or  u              # max-subtracted, fp32
@@ -83,12 +83,10 @@ def reference(
     scale_after: Optional[Tensor] = None,
     scale_after_value: float = 1.0,
     softmax: bool = False,
-    linear_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The op's math in plain PyTorch, fp32 after the linear. Returns the op's six outputs.
-    linear_dtype (default x's): the linear's operands are rounded to it first, as autocast does."""
+    """The op's math in plain PyTorch, fp32 throughout. Returns the op's six outputs."""
     check_batch_size(training, x)
-    y = F.linear(*rounded_to(linear_dtype or x.dtype, x, weight, bias))
+    y = F.linear(x, weight, bias)
     z = y.float() * _as_factor(scale, scale_value)
     if training:
         var, mean = torch.var_mean(z, dim=0, correction=0)
@@ -102,11 +100,6 @@ def reference(
     new_mean, new_var = _updated_running_stats(z.shape[0], mean, var, running_mean, running_var, training, momentum)
     linear_out = y if keep_linear else y.new_empty(0)
     return out.to(out_dtype), new_mean, new_var, linear_out, mean, invstd
-
-
-def rounded_to(dtype: torch.dtype, *tensors: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
-    """The tensors in `dtype` (autocast's cast of the linear's operands); None stays None."""
-    return tuple(t.to(dtype) if t is not None else None for t in tensors)
 
 
 def _as_factor(scale: Optional[Tensor], value: float):
@@ -606,15 +599,15 @@ def scale_batch_norm(
 
 def gemm_batch_norm(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
                     training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax,
-                    linear_dtype, precision: str, config: gemm.GemmConfig):
+                    precision: str, config: gemm.GemmConfig):
     """The op on the Triton GEMM: statistics (training) or the whole eval-mode normalization (without
     softmax) in its epilogue. Training: GEMM and output pass (with a finalize launch between them when
-    the row tiles are many). Eval: the GEMM alone, or GEMM and the softmax pass. The GEMM rounds x, W
-    and b to linear_dtype as it loads them. Returns the op's six outputs."""
+    the row tiles are many). Eval: the GEMM alone, or GEMM and the softmax pass. Returns the op's six
+    outputs."""
     if not training and running_mean is None:
         raise ValueError("batch_norm in eval mode needs running statistics")
     n_cols = weight.shape[0]
-    scales = dict(scale=scale, scale_value=scale_value, gemm_dtype=linear_dtype)
+    scales = dict(scale=scale, scale_value=scale_value)
     norm = (bn_weight, bn_bias, scale_after, scale_after_value, softmax)
     stats = Statistics.allocate(n_cols, x.device, training, running_mean, running_var, momentum, eps)
     if training:
@@ -641,11 +634,10 @@ def gemm_batch_norm(x, weight, bias, scale, scale_value, bn_weight, bn_bias, run
 
 def cublas_batch_norm(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
                       training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax,
-                      linear_dtype, precision: str):
-    """The op on cuBLAS's GEMM (F.linear, as eager, on operands cast to linear_dtype) followed by the
-    Triton passes."""
+                      precision: str):
+    """The op on cuBLAS's GEMM (F.linear, as eager) followed by the Triton passes."""
     with _cublas_precision(precision):
-        y = F.linear(*rounded_to(linear_dtype, x, weight, bias))
+        y = F.linear(x, weight, bias)
     out, new_mean, new_var, mean, invstd = scale_batch_norm(
         y, scale, scale_value, bn_weight, bn_bias, running_mean, running_var, training, momentum, eps, out_dtype,
         scale_after, scale_after_value, softmax, out=_output_buffer(y, out_dtype, keep_linear))
@@ -684,7 +676,7 @@ def matmul_precision(dtype: torch.dtype, fp32_matmul: str) -> str:
 def implementations(x: Tensor, weight: Tensor, precision: str, gemm_choice: str,
                     traced: bool = False) -> dict[str, Callable[..., tuple]]:
     """Every way to run the op for operands like x and weight, by name, first the default; each takes
-    the op's 18 leading arguments. Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever gemm_choice
+    the op's 17 leading arguments. Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever gemm_choice
     says, and so are problems too large for the GEMM kernel's 32-bit offsets. TMA tile configs are
     offered where the operands allow descriptors. `traced`: only those that can run inside Inductor's
     graph (may be none; see _cublas_traceable)."""
@@ -694,7 +686,7 @@ def implementations(x: Tensor, weight: Tensor, precision: str, gemm_choice: str,
         # Traced, the operands' addresses (and so their TMA alignment) are not known yet.
         tma = not traced and gemm.tma_usable(x, weight)
         for p in precisions:
-            for config in gemm.gemm_configs(p, max(x.dtype, weight.dtype, key=lambda d: d.itemsize)):
+            for config in gemm.gemm_configs(p, x.dtype):
                 if tma or not config.tma:
                     candidates[f"triton {p} {config.describe()}"] = functools.partial(
                         gemm_batch_norm, precision=p, config=config)
@@ -772,8 +764,6 @@ class Problem(NamedTuple):
     k: int
     f: int
     dtype: torch.dtype
-    weight_dtype: torch.dtype
-    linear_dtype: torch.dtype
     device: torch.device
     precision: str
     gemm_choice: str
@@ -790,16 +780,14 @@ class Problem(NamedTuple):
     @classmethod
     def of(cls, args: tuple, precision: str, gemm_choice: str, traced: bool = False) -> "Problem":
         (x, weight, bias, scale, _sv, bn_weight, bn_bias, running_mean, _rv, training, _m, _e, out_dtype,
-         keep_linear, scale_after, _sav, softmax, linear_dtype) = args
-        return cls(x.shape[0], x.shape[1], weight.shape[0], x.dtype, weight.dtype, linear_dtype, x.device, precision,
-                   gemm_choice, training, softmax, keep_linear, out_dtype, bias is not None,
-                   (scale_mode(scale), scale_mode(scale_after)), (bn_weight is not None, bn_bias is not None),
-                   running_mean is not None, traced)
+         keep_linear, scale_after, _sav, softmax) = args
+        return cls(x.shape[0], x.shape[1], weight.shape[0], x.dtype, x.device, precision, gemm_choice, training,
+                   softmax, keep_linear, out_dtype, bias is not None, (scale_mode(scale), scale_mode(scale_after)),
+                   (bn_weight is not None, bn_bias is not None), running_mean is not None, traced)
 
     def describe(self) -> str:
         """The tuner's key (the device is in the tuner's own part of it)."""
-        return (f"{OP_NAME} {self.n}x{self.k}->{self.f} {self.dtype},{self.weight_dtype}->{self.linear_dtype} "
-                f"{self.precision} gemm={self.gemm_choice} "
+        return (f"{OP_NAME} {self.n}x{self.k}->{self.f} {self.dtype} {self.precision} gemm={self.gemm_choice} "
                 f"train={self.training} softmax={self.softmax} keep={self.keep_linear} out={self.out_dtype} "
                 f"bias={self.has_bias} scale={self.scale_modes[0]},{self.scale_modes[1]} "
                 f"affine={self.affine[0]},{self.affine[1]} running={self.running}" + (" traced" if self.traced else ""))
@@ -831,16 +819,13 @@ def linear_scale_batch_norm(
     scale_after: Optional[Tensor],
     scale_after_value: float,
     softmax: bool,
-    linear_dtype: torch.dtype,
     fp32_matmul: str,
     gemm_choice: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (out, new_running_mean, new_running_var, linear_out, mean, invstd).
 
     new_running_* are empty unless training with running statistics; linear_out (kept for the
-    backward, in linear_dtype) is empty unless keep_linear. linear_dtype: the dtype the linear runs in;
-    x, weight and bias may be wider (autocast) and are rounded to it as eager's casts would, inside the
-    GEMM where it can (no rounded copies in memory). fp32_matmul: "tf32x3" or "ieee" (see matmul_precision);
+    backward) is empty unless keep_linear. fp32_matmul: "tf32x3" or "ieee" (see matmul_precision);
     gemm_choice: "auto" (time both), "triton" or "cublas". Both only steer the CUDA implementation.
 
     A triton_op: torch.compile traces this body, so Inductor launches its kernels from the compiled
@@ -849,14 +834,13 @@ def linear_scale_batch_norm(
     """
     _check_choices(fp32_matmul, gemm_choice)
     args = (x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
-            training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax, linear_dtype)
+            training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax)
     run = None
     if x.device.type == "cuda" and not os.environ.get(OPAQUE_ENV):
         check_batch_size(training, x)
         traced = is_fake(x)
         if not traced or _static_shapes(args):
-            run = choose_implementation(args, *_cuda_choices(x, weight, linear_dtype, fp32_matmul, gemm_choice),
-                                        traced=traced)
+            run = choose_implementation(args, *_cuda_choices(x, weight, fp32_matmul, gemm_choice), traced=traced)
     if run is None:
         return torch.ops.fusepass.linear_scale_batch_norm_opaque(*args, fp32_matmul, gemm_choice)
     return run(*args)
@@ -872,14 +856,11 @@ def _check_choices(fp32_matmul: str, gemm_choice: str) -> None:
 TRITON_GEMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _cuda_choices(x: Tensor, weight: Tensor, linear_dtype: torch.dtype, fp32_matmul: str,
-                  gemm_choice: str) -> tuple[str, str]:
-    """(GEMM precision, gemm choice) for a CUDA call: dtypes the Triton GEMM lacks go to cuBLAS. Its
-    operands may be wider than the GEMM (rounded as loaded), but an fp32 GEMM takes fp32 operands only."""
-    dtypes = (x.dtype, weight.dtype, linear_dtype)
-    if any(d not in TRITON_GEMM_DTYPES for d in dtypes) or (linear_dtype == torch.float32 and len(set(dtypes)) > 1):
+def _cuda_choices(x: Tensor, weight: Tensor, fp32_matmul: str, gemm_choice: str) -> tuple[str, str]:
+    """(GEMM precision, gemm choice) for a CUDA call: dtypes the Triton GEMM lacks go to cuBLAS."""
+    if x.dtype not in TRITON_GEMM_DTYPES or weight.dtype != x.dtype:
         gemm_choice = "cublas"
-    return matmul_precision(linear_dtype, fp32_matmul), gemm_choice
+    return matmul_precision(x.dtype, fp32_matmul), gemm_choice
 
 
 def _opaque_default(*op_args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -899,18 +880,18 @@ _opaque = torch.library.custom_op(
 @_opaque.register_kernel("cuda")
 def _opaque_cuda(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
                  training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax,
-                 linear_dtype, fp32_matmul, gemm_choice):
+                 fp32_matmul, gemm_choice):
     _check_choices(fp32_matmul, gemm_choice)
     check_batch_size(training, x)
     args = (x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
-            training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax, linear_dtype)
-    return choose_implementation(args, *_cuda_choices(x, weight, linear_dtype, fp32_matmul, gemm_choice))(*args)
+            training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax)
+    return choose_implementation(args, *_cuda_choices(x, weight, fp32_matmul, gemm_choice))(*args)
 
 
 @_opaque.register_fake
 def _fake(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean, running_var,
           training, momentum, eps, out_dtype, keep_linear, scale_after, scale_after_value, softmax,
-          linear_dtype, fp32_matmul, gemm_choice):
+          fp32_matmul, gemm_choice):
     _check_choices(fp32_matmul, gemm_choice)
     check_batch_size(training, x)
     n, f = x.shape[0], weight.shape[0]
@@ -919,7 +900,7 @@ def _fake(x, weight, bias, scale, scale_value, bn_weight, bn_bias, running_mean,
         x.new_empty((n, f), dtype=out_dtype),
         x.new_empty(_new_running_stat_shape(training, running_mean), dtype=stats_dtype),
         x.new_empty(_new_running_stat_shape(training, running_var), dtype=stats_dtype),
-        x.new_empty((n, f) if keep_linear else (0,), dtype=linear_dtype),
+        x.new_empty((n, f) if keep_linear else (0,)),
         x.new_empty((f,), dtype=torch.float32),
         x.new_empty((f,), dtype=torch.float32),
     )
@@ -932,7 +913,7 @@ X, WEIGHT, BIAS, SCALE, BN_WEIGHT, BN_BIAS, SCALE_AFTER = 0, 1, 2, 3, 5, 6, 14
 
 def _setup_context(ctx, inputs, output):
     (x, weight, bias, scale, scale_value, bn_weight, bn_bias, _rm, _rv,
-     training, _momentum, eps, _out_dtype, keep_linear, scale_after, scale_after_value, softmax, linear_dtype,
+     training, _momentum, eps, _out_dtype, keep_linear, scale_after, scale_after_value, softmax,
      _fp32_matmul, _gemm_choice) = inputs
     out, new_mean, new_var, linear_out, mean, invstd = output
     ctx.mark_non_differentiable(new_mean, new_var, linear_out, mean, invstd)
@@ -941,7 +922,6 @@ def _setup_context(ctx, inputs, output):
     ctx.training, ctx.eps, ctx.keep_linear, ctx.softmax = training, eps, keep_linear, softmax
     ctx.scale_value, ctx.scale_after_value = scale_value, scale_after_value
     ctx.bias_dtype = bias.dtype if bias is not None else None
-    ctx.linear_dtype = linear_dtype
 
 
 def _backward(ctx, grad_out, *_grads_of_non_differentiable_outputs):
@@ -974,18 +954,14 @@ def _backward(ctx, grad_out, *_grads_of_non_differentiable_outputs):
         grad_z = g_hat * invstd
     grad_y = (grad_z * s1).to(linear_out.dtype)
 
-    # As eager under autocast: the GEMMs take the operands rounded to the linear's dtype, and each gradient
-    # comes back in its input's dtype (the cast's backward). x and weight were saved unrounded: that
-    # keeps no rounded copies alive between forward and backward.
-    x_l, weight_l = rounded_to(ctx.linear_dtype, x, weight)
-    grad_x = (grad_y @ weight_l).to(x.dtype) if need[X] else None
-    grad_w = (grad_y.t() @ x_l).to(weight.dtype) if need[WEIGHT] else None
+    grad_x = grad_y @ weight if need[X] else None
+    grad_w = grad_y.t() @ x if need[WEIGHT] else None
     grad_b = _linear_bias_grad(ctx, grad_y) if need[BIAS] else None
     grad_scale = _scale_grad(ctx, scale, s1, grad_z, y, g_hat, sum_g_xhat, invstd) if need[SCALE] else None
     grad_gamma = (g * x_hat).sum(0).to(bn_weight.dtype) if need[BN_WEIGHT] else None
     grad_beta = g.sum(0).to(bn_bias.dtype) if need[BN_BIAS] else None
     return (grad_x, grad_w, grad_b, grad_scale, None, grad_gamma, grad_beta,
-            None, None, None, None, None, None, None, grad_scale_after, None, None, None, None, None)
+            None, None, None, None, None, None, None, grad_scale_after, None, None, None, None)
 
 
 def _linear_bias_grad(ctx, grad_y):
@@ -993,7 +969,7 @@ def _linear_bias_grad(ctx, grad_y):
         # Batch normalization subtracts the batch mean, so a bias shift has no effect at all: the
         # gradient is exactly zero (eager's column sum of grad_y returns only rounding noise).
         return grad_y.new_zeros(grad_y.shape[1], dtype=ctx.bias_dtype)
-    return grad_y.float().sum(0).to(grad_y.dtype).to(ctx.bias_dtype)  # rounded as eager's bias grad is
+    return grad_y.float().sum(0).to(ctx.bias_dtype)
 
 
 def _scale_grad(ctx, scale, s, grad_z, y, g_hat, sum_g_xhat, invstd):

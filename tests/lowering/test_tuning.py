@@ -88,7 +88,7 @@ def test_real_tuning_of_the_op_on_gpu(cache_dir):
     import fusepass.lowering.linear_scale_batch_norm as lowering
 
     case = make_case(256, 128, 96, device="cuda")
-    args = (*case.values(), True, 0.1, 1e-5, torch.float32, False, None, 1.0, False, torch.float32)
+    args = (*case.values(), True, 0.1, 1e-5, torch.float32, False, None, 1.0, False)
     candidates = {name: (lambda run=run: run(*args))
                   for name, run in lowering.implementations(case["x"], case["weight"], "tf32x3", "auto").items()}
     problem = lowering.Problem.of(args, "tf32x3", "auto").describe()
@@ -126,7 +126,7 @@ def test_traced_op_is_tuned_on_stand_ins(cache_dir, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     with FakeTensorMode():
         case = make_case(256, 128, 96, device="cuda")
-        args = (*case.values(), True, 0.1, 1e-5, torch.float32, False, None, 1.0, False, torch.float32)
+        args = (*case.values(), True, 0.1, 1e-5, torch.float32, False, None, 1.0, False)
         x, w = case["x"], case["weight"]
         traced = lowering.implementations(x, w, "tf32x3", "auto", traced=True)
         assert not any(name.endswith(" tma") for name in traced) and "cublas" in traced
