@@ -1,5 +1,6 @@
 """Times fusepass's Triton GEMM (with the statistics epilogue) per precision and tile config against
-cuBLAS, with its error to float64. GPU only. Usage: python tools/tune_gemm.py [--json FILE] [--quick]"""
+cuBLAS, with its error to float64. GPU only.
+Usage: python tools/tune_gemm.py [--json FILE] [--quick] [--shapes N] [--precisions tf32x3,split_w,tf32,native]"""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ from tabulate import tabulate
 
 from fusepass.lowering import gemm
 
-# Tried besides the candidates, to see whether the candidate list should change.
-EXTRA_CONFIGS = [gemm.GemmConfig(128, 256, 32, 8, 8, 3), gemm.GemmConfig(128, 128, 32, 8, 8, 4),
-                 gemm.GemmConfig(256, 128, 32, 8, 8, 3)]
+# Tried besides the candidates, to see whether the candidate list should change. Earlier runs tried
+# 128x256x32 w8 s3, 128x128x32 w8 s4, 256x128x32 w8 s3 (benchmarks/issue5/*tune_gemm.json). These are
+# one-warpgroup tiles small enough for two or three programs per SM, whose split and tensor-core phases
+# could then overlap, and a two-stage 128x128x64.
+EXTRA_CONFIGS = [gemm.GemmConfig(64, 128, 64, 8, 4, 2), gemm.GemmConfig(64, 128, 32, 8, 4, 3),
+                 gemm.GemmConfig(64, 128, 32, 8, 4, 4), gemm.GemmConfig(128, 64, 32, 8, 4, 3),
+                 gemm.GemmConfig(64, 64, 32, 8, 4, 4), gemm.GemmConfig(128, 128, 64, 8, 8, 2)]
 SHAPES = [(16384, 4096, 4096), (1024, 8192, 8192), (128, 1024, 512)]
 
 
@@ -38,7 +43,9 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--quick", action="store_true", help="first two configs only")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="the first this many shapes")
+    parser.add_argument("--precisions", default="tf32x3,split_w,tf32,native")
     args = parser.parse_args()
+    wanted = args.precisions.split(",")
     rows = []
     for m, k, n in SHAPES[:args.shapes]:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -48,6 +55,9 @@ def main() -> None:
         s = torch.randn(n, device="cuda", generator=g)
         ref = F.linear(x.double(), w.double(), b.double())
         for dtype, precisions in ((torch.float32, ["tf32x3", "split_w", "tf32"]), (torch.bfloat16, ["native"])):
+            precisions = [p for p in precisions if p in wanted]
+            if not precisions:
+                continue
             xd, wd, bd = x.to(dtype), w.to(dtype), b.to(dtype)
             torch.backends.cuda.matmul.allow_tf32 = False
             ms = triton.testing.do_bench(lambda: F.linear(xd, wd, bd), warmup=25, rep=100, return_mode="median")

@@ -1,0 +1,86 @@
+"""What is live on the GPU at the peak of one compiled forward (or training step), per provider: the
+peak above what was allocated before the call, and the allocations made during the call that are
+still live at that peak, largest first, with the Python line that made each (for compiled graphs, a
+line of Inductor's generated code). GPU only.
+
+    python tools/memory_peak.py demos/problems/gemm_scale_batchnorm_1024.py --mode eval \
+        --precision bf16-autocast [--backward] [--providers eager inductor fusepass]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+from fusepass.bench import load, make_provider, precision_context, to_device
+
+
+def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
+    """Replays one device's allocator trace: (highest net bytes allocated, the blocks live then)."""
+    live, net, peak, at_peak = {}, 0, 0, []
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            net += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            net -= live.pop(event["addr"])["size"]
+        if net > peak:
+            peak, at_peak = net, list(live.values())
+    return peak, sorted(at_peak, key=lambda e: -e["size"])
+
+
+def where(event: dict) -> str:
+    frames = [f for f in event.get("frames", []) if f["filename"].endswith(".py")
+              and "/torch/" not in f["filename"] and "/triton/" not in f["filename"]]
+    return " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames[:3]) or "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("problem")
+    parser.add_argument("--mode", choices=("train", "eval"), default="train")
+    parser.add_argument("--precision", default="bf16-autocast")
+    parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--providers", nargs="+", default=["eager", "inductor", "fusepass"])
+    parser.add_argument("--top", type=int, default=8)
+    args = parser.parse_args()
+
+    module = load(args.problem, 1)
+    torch.manual_seed(0)
+    base = module.Model(*module.get_init_inputs()).cuda().train(args.mode == "train")
+    inputs = to_device(module.get_inputs(), "cuda")
+    grad = args.backward or args.mode == "train"
+    print(f"{args.problem} {args.mode} {args.precision} backward={args.backward} {torch.cuda.get_device_name()}")
+    for provider in args.providers:
+        model = make_provider(provider, copy.deepcopy(base))
+
+        def call():
+            with precision_context(args.precision, "cuda"), torch.set_grad_enabled(grad):
+                out = model(*inputs)
+            if args.backward:
+                out.float().sum().backward()
+            return out
+
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        out = call()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        peak_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
+        traced_peak, blocks = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()])
+        print(f"\n=== {provider}: {before / 2**20:.0f} MB allocated before the call; peak +{peak_mb:.0f} MB "
+              f"(trace: +{traced_peak / 2**20:.0f} MB); output {tuple(out.shape)} {out.dtype}")
+        for event in blocks[:args.top]:
+            print(f"  {event['size'] / 2**20:8.1f} MB  {where(event)}")
+        del model, out
+
+
+if __name__ == "__main__":
+    main()
