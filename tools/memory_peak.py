@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import linecache
+import shutil
 
 import torch
 
@@ -31,10 +33,18 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
     return peak, sorted(at_peak, key=lambda e: -e["size"])
 
 
+def user_frames(event: dict) -> list[dict]:
+    return [f for f in event.get("frames", []) if f["filename"].endswith(".py")
+            and "/torch/" not in f["filename"] and "/triton/" not in f["filename"]]
+
+
 def where(event: dict) -> str:
-    frames = [f for f in event.get("frames", []) if f["filename"].endswith(".py")
-              and "/torch/" not in f["filename"] and "/triton/" not in f["filename"]]
-    return " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames[:3]) or "?"
+    frames = user_frames(event)
+    if not frames:
+        return "?"
+    first = frames[0]
+    code = linecache.getline(first["filename"], first["line"]).strip()
+    return " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames[:3]) + f"\n{'':14}{code}"
 
 
 def main() -> None:
@@ -45,6 +55,7 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--providers", nargs="+", default=["eager", "inductor", "fusepass"])
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--dump", help="copy the generated code that made the largest blocks into this folder")
     args = parser.parse_args()
 
     module = load(args.problem, 1)
@@ -79,6 +90,9 @@ def main() -> None:
               f"(trace: +{traced_peak / 2**20:.0f} MB); output {tuple(out.shape)} {out.dtype}")
         for event in blocks[:args.top]:
             print(f"  {event['size'] / 2**20:8.1f} MB  {where(event)}")
+        if args.dump and blocks and user_frames(blocks[0]):
+            source = user_frames(blocks[0])[0]["filename"]
+            shutil.copy(source, f"{args.dump}/{provider}_{args.mode}_{source.rsplit('/', 1)[-1]}")
         del model, out
 
 
