@@ -331,6 +331,23 @@ def test_where_the_fused_op_runs_in_the_compiled_graph(device, training):
     assert fusepass_stats() == {"graphs": 1, "rewrites": 1}
 
 
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY)], ids=["cuda"])
+def test_autocast_weight_is_cast_into_one_buffer(training, _):
+    """Traced on CUDA under autocast, the Triton GEMM gets the bf16 weight once. (It used to get the
+    same tensor for its unused low-half operand too, and Inductor then wrote the cast into two
+    buffers: a second full copy of W.)"""
+    torch.manual_seed(7)
+    model = ChainModel(32, 48).cuda().train(training)
+    compiled = torch.compile(model, backend="fusepass", options={"gemm": "triton"})
+    from torch._inductor.utils import run_and_get_code
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _out, code = run_and_get_code(compiled, make_input(16, 32, "cuda"))
+    forward = code[0]
+    assert "_linear_epilogue_kernel" in forward
+    assert forward.count("empty_strided_cuda((48, 32), (32, 1), torch.bfloat16)") == 1
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_symbolic_batch_uses_the_opaque_op(device):
     """A symbolic batch size cannot be tuned for at compile time: the op chooses when it runs."""

@@ -263,7 +263,7 @@ def linear_epilogue(
     m, k = x.shape
     n = weight.shape[0]
     device = x.device
-    w_lo = weight
+    w_lo = None
     if precision == "split_w":
         weight, w_lo = split_tf32(weight)
     y = torch.empty((m, n) if store_y else (0, 0), device=device, dtype=x.dtype)
@@ -278,8 +278,12 @@ def linear_epilogue(
     def opt(t: Optional[Tensor]) -> Tensor:
         return t if t is not None else placeholder
 
-    operands = (x, weight, w_lo)
+    # Without split_w the kernel never reads w_lo. It gets the placeholder, not weight a second time:
+    # traced by Inductor, an operand passed twice made the graph write the autocast cast of W into two
+    # buffers (measured: a second 128 MB copy at 8192 x 8192 bf16, and its write in the cast kernel).
+    operands = (x, weight, opt(w_lo))
     if config.tma:
+        w_lo = weight if w_lo is None else w_lo  # a descriptor needs an operand-shaped tensor; unread
         if not tma_usable(x, weight, w_lo):
             raise ValueError("linear_epilogue: these operands cannot be loaded through TMA descriptors")
         operands = (_descriptor(x, config.block_m, config.block_k), _descriptor(weight, config.block_n, config.block_k),
