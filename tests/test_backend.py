@@ -2,6 +2,7 @@
 
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -346,6 +347,23 @@ def test_autocast_weight_is_cast_into_one_buffer(training, _):
     forward = code[0]
     assert "_linear_epilogue_kernel" in forward
     assert forward.count("empty_strided_cuda((48, 32), (32, 1), torch.bfloat16)") == 1
+
+
+@pytest.mark.parametrize("gemm, kernels", [("triton", ["_linear_epilogue_kernel", "_normalize_softmax_kernel"]),
+                                           ("cublas", ["_normalize_softmax_kernel"])])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY)], ids=["cuda"])
+def test_traced_softmax_chain_launches_only_its_own_kernels(gemm, kernels, _):
+    """Eval without grad, fp32: Inductor launches the op's kernels (and cuBLAS) and nothing else. It used
+    to add a copy of the linear output, which the softmax pass wrote over, and a kernel copying the
+    statistics, which shared a tensor with the pass's empty slots."""
+    torch.manual_seed(8)
+    model = ChainModel(256, 512, softmax="functional").cuda().eval()
+    compiled = torch.compile(model, backend="fusepass", options={"gemm": gemm})
+    from torch._inductor.utils import run_and_get_code
+    with torch.no_grad():
+        _out, code = run_and_get_code(compiled, make_input(128, 256, "cuda"))
+    launched = [re.sub(r"_\d+$", "", name) for name in re.findall(r"(\w+)\.run\(", code[0])]
+    assert launched == kernels
 
 
 @pytest.mark.parametrize("device", DEVICES)

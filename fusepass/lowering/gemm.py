@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fusepass.lowering.launch import launch
+from fusepass.lowering.launch import launch, unused_pointer
 from fusepass.lowering.tiles import batch_norm_tile, inverse_std, load_scale, scale_mode, tile_column_stats
 
 NATIVE, TF32, TF32X3, SPLIT_W = 0, 2, 3, 4
@@ -271,7 +271,7 @@ def linear_epilogue(
     n_parts = triton.cdiv(m, config.block_m) if epilogue == STATISTICS else 0
     part_mean = torch.empty((n_parts, n), device=device, dtype=torch.float32)
     part_m2 = torch.empty((n_parts, n), device=device, dtype=torch.float32)
-    placeholder = part_mean  # for absent optional tensors; the kernel never reads it
+    placeholder = unused_pointer(device)  # for absent optional tensors
     y_strides = (y.stride(0), y.stride(1)) if store_y else (0, 0)
     out_strides = (out.stride(0), out.stride(1)) if out is not None else (0, 0)
 

@@ -33,6 +33,13 @@ def launch(kernel):
     return wrap_triton(kernel) if tracing() else kernel
 
 
+def unused_pointer(device) -> torch.Tensor:
+    """What a kernel gets for an absent optional tensor it never touches: an empty tensor of its own.
+    Not one of the call's other tensors: traced, a tensor passed in several slots of which the kernel
+    writes one is cloned by Inductor into each (measured: three F-sized copies and a launch per call)."""
+    return torch.empty(0, device=device, dtype=torch.float32)
+
+
 @contextlib.contextmanager
 def real_tensors() -> Iterator[None]:
     """Leaves tracing for a moment: tensors made inside are real and kernels launch for real. Used to

@@ -40,7 +40,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from fusepass.lowering import gemm
-from fusepass.lowering.launch import launch, real_tensors
+from fusepass.lowering.launch import launch, real_tensors, tracing, unused_pointer
 from fusepass.lowering.tiles import (INTERPRETED, batch_norm_tile, chan_merge, exp_accurate, inverse_std,
                                      load_scale, scale_mode, tile_column_stats)
 from fusepass.lowering.tuning import TUNER, capturing
@@ -443,7 +443,7 @@ class Statistics:
     def kernel_args(self) -> tuple:
         """Pointers (part_mean, part_m2, running_mean, running_var, mean, invstd, new running mean/var),
         then (n_parts, rows_per_part), then (momentum, eps), as the kernels take them."""
-        placeholder = self.mean  # for absent optional tensors; the kernels never read it
+        placeholder = unused_pointer(self.mean.device)  # for absent optional tensors
         parts = self.parts or Partials(placeholder, placeholder, 1)
         pointers = (parts.mean, parts.m2, _or(self.running_mean, placeholder), _or(self.running_var, placeholder),
                     self.mean, self.invstd, self.new_mean, self.new_var)
@@ -524,7 +524,7 @@ def output_pass(y: Tensor, scale, scale_value, stats: Statistics, bn_weight, bn_
     every program reads a tile (or a row) before it writes it, and nothing else reads it."""
     n_rows, n_cols = y.shape
     pointers, sizes, scalars = stats.kernel_args()
-    placeholder = stats.mean  # for absent optional tensors; the kernels never read it
+    placeholder = unused_pointer(y.device)  # for absent optional tensors
     args = (
         y, _or(scale, placeholder), _or(bn_weight, placeholder), _or(bn_bias, placeholder),
         _or(scale_after, placeholder), out,
@@ -548,8 +548,10 @@ def output_pass(y: Tensor, scale, scale_value, stats: Statistics, bn_weight, bn_
 
 
 def _output_buffer(y: Tensor, out_dtype: torch.dtype, keep_linear: bool) -> Tensor:
-    """Where the output goes: over y when y is not returned (saves an (N, F) buffer), else a new tensor."""
-    if not keep_linear and y.dtype == out_dtype and y.is_contiguous():
+    """Where the output goes: over y when y is not returned (saves an (N, F) buffer), else a new tensor.
+    Not over y while traced: Inductor then copied y into a new buffer for the pass to write (measured:
+    one more launch and N x F of traffic, no memory saved)."""
+    if not keep_linear and y.dtype == out_dtype and y.is_contiguous() and not tracing():
         return y
     return torch.empty(y.shape, device=y.device, dtype=out_dtype)
 
