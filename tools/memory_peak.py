@@ -16,7 +16,8 @@ import shutil
 
 import torch
 
-from fusepass.bench import load, make_provider, precision_context, to_device
+from fusepass.bench import make_provider
+from problem_calls import add_arguments, model_and_inputs, one_call
 
 
 def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
@@ -49,30 +50,16 @@ def where(event: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("problem")
-    parser.add_argument("--mode", choices=("train", "eval"), default="train")
-    parser.add_argument("--precision", default="bf16-autocast")
-    parser.add_argument("--backward", action="store_true")
-    parser.add_argument("--providers", nargs="+", default=["eager", "inductor", "fusepass"])
+    add_arguments(parser, ["eager", "inductor", "fusepass"])
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--dump", help="copy the generated code that made the largest blocks into this folder")
     args = parser.parse_args()
 
-    module = load(args.problem, 1)
-    torch.manual_seed(0)
-    base = module.Model(*module.get_init_inputs()).cuda().train(args.mode == "train")
-    inputs = to_device(module.get_inputs(), "cuda")
-    grad = args.backward or args.mode == "train"
+    base, inputs = model_and_inputs(args)
     print(f"{args.problem} {args.mode} {args.precision} backward={args.backward} {torch.cuda.get_device_name()}")
     for provider in args.providers:
         model = make_provider(provider, copy.deepcopy(base))
-
-        def call():
-            with precision_context(args.precision, "cuda"), torch.set_grad_enabled(grad):
-                out = model(*inputs)
-            if args.backward:
-                out.float().sum().backward()
-            return out
+        call = one_call(model, inputs, args)
 
         for _ in range(3):
             call()

@@ -19,7 +19,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fusepass.bench import load, make_provider, precision_context, to_device
+from fusepass.bench import make_provider
+from problem_calls import add_arguments, model_and_inputs, one_call
 
 
 def per_call_us(fn, calls: int) -> tuple[float, float]:
@@ -56,11 +57,7 @@ def host_profile(fn, calls: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("problem")
-    parser.add_argument("--mode", choices=("train", "eval"), default="train")
-    parser.add_argument("--precision", default="bf16-autocast")
-    parser.add_argument("--backward", action="store_true")
-    parser.add_argument("--providers", nargs="+", default=["eager", "inductor", "fusepass"])
+    add_arguments(parser, ["eager", "inductor", "fusepass"])
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--verbose", action="store_true", help="log fusepass's tuning choices")
     args = parser.parse_args()
@@ -68,21 +65,10 @@ def main() -> None:
         logging.basicConfig()
         logging.getLogger("fusepass").setLevel(logging.INFO)
 
-    module = load(args.problem, 1)
-    torch.manual_seed(0)
-    base = module.Model(*module.get_init_inputs()).cuda().train(args.mode == "train")
-    inputs = to_device(module.get_inputs(), "cuda")
-    grad = args.backward or args.mode == "train"
+    base, inputs = model_and_inputs(args)
     print(f"{args.problem} {args.mode} {args.precision} backward={args.backward} {torch.cuda.get_device_name()}")
     for provider in args.providers:
-        model = make_provider(provider, copy.deepcopy(base))
-
-        def call():
-            with precision_context(args.precision, "cuda"), torch.set_grad_enabled(grad):
-                out = model(*inputs)
-            if args.backward:
-                out.float().sum().backward()
-
+        call = one_call(make_provider(provider, copy.deepcopy(base)), inputs, args)
         for _ in range(5):
             call()
         host, wall = per_call_us(call, args.calls)
