@@ -720,17 +720,13 @@ def choose_implementation(args: tuple, precision: str, gemm_choice: str,
         return chosen
     x, weight = args[0], args[1]
     candidates = implementations(x, weight, precision, gemm_choice, traced)
-    if not candidates:
-        chosen = None
-    elif traced:
-        with real_tensors():
-            stand_ins = functools.cache(lambda: _stand_ins(args))
+    chosen = None
+    if candidates:
+        # Traced, the candidates run for real, on stand-ins made once (only if one must be timed).
+        make_args = functools.cache(lambda: _stand_ins(args)) if traced else (lambda: args)
+        with real_tensors() if traced else contextlib.nullcontext():
             name = TUNER.choose(problem.describe(), x.device,
-                                {name: functools.partial(_call_on, run, stand_ins) for name, run in candidates.items()})
-        chosen = candidates[name]
-    else:
-        name = TUNER.choose(problem.describe(), x.device,
-                            {name: functools.partial(run, *args) for name, run in candidates.items()})
+                                {name: functools.partial(_call_on, run, make_args) for name, run in candidates.items()})
         chosen = candidates[name]
     if not capturing(x.device):  # a choice made during a CUDA graph capture was not timed
         _CHOSEN[problem] = chosen
