@@ -1,6 +1,6 @@
 """Times fusepass's Triton GEMM (with the statistics epilogue) per precision and tile config against
 cuBLAS, with its error to float64. GPU only.
-Usage: python tools/tune_gemm.py [--json FILE] [--quick] [--shapes N] [--precisions tf32x3,split_w,tf32,native]"""
+Usage: python tools/tune_gemm.py [--json FILE] [--quick] [--shapes N] [--precisions tf32x3,split_w,split_x,tf32,native]"""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from tabulate import tabulate
 from fusepass.lowering import gemm
 
 # Tried besides the candidates, to see whether the candidate list should change. Earlier runs tried
-# 128x256x32 w8 s3, 128x128x32 w8 s4, 256x128x32 w8 s3 (benchmarks/issue5/*tune_gemm.json). These are
-# one-warpgroup tiles small enough for two or three programs per SM, whose split and tensor-core phases
-# could then overlap, and a two-stage 128x128x64.
-EXTRA_CONFIGS = [gemm.GemmConfig(64, 128, 64, 8, 4, 2), gemm.GemmConfig(64, 128, 32, 8, 4, 3),
-                 gemm.GemmConfig(64, 128, 32, 8, 4, 4), gemm.GemmConfig(128, 64, 32, 8, 4, 3),
-                 gemm.GemmConfig(64, 64, 32, 8, 4, 4), gemm.GemmConfig(128, 128, 64, 8, 8, 2)]
+# 128x256x32 w8 s3, 128x128x32 w8 s4, 256x128x32 w8 s3, 64x128x64 w4 s2, 64x128x32 w4 s4, 64x64x32 w4 s4
+# (benchmarks/issue5/). These are the one-warpgroup tiles that came closest for split_w (64x128x32 and
+# 128x64x32 w4 s3: two or three programs per SM, whose split and tensor-core phases could overlap)
+# and a two-stage 128x128x64.
+EXTRA_CONFIGS = [gemm.GemmConfig(64, 128, 32, 8, 4, 3), gemm.GemmConfig(128, 64, 32, 8, 4, 3),
+                 gemm.GemmConfig(128, 128, 64, 8, 8, 2)]
 SHAPES = [(16384, 4096, 4096), (1024, 8192, 8192), (128, 1024, 512)]
 
 
@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--quick", action="store_true", help="first two configs only")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="the first this many shapes")
-    parser.add_argument("--precisions", default="tf32x3,split_w,tf32,native")
+    parser.add_argument("--precisions", default="tf32x3,split_w,split_x,tf32,native")
     args = parser.parse_args()
     wanted = args.precisions.split(",")
     rows = []
@@ -54,7 +54,7 @@ def main() -> None:
         b = torch.randn(n, device="cuda", generator=g)
         s = torch.randn(n, device="cuda", generator=g)
         ref = F.linear(x.double(), w.double(), b.double())
-        for dtype, precisions in ((torch.float32, ["tf32x3", "split_w", "tf32"]), (torch.bfloat16, ["native"])):
+        for dtype, precisions in ((torch.float32, ["tf32x3", "split_w", "split_x", "tf32"]), (torch.bfloat16, ["native"])):
             precisions = [p for p in precisions if p in wanted]
             if not precisions:
                 continue
@@ -72,8 +72,9 @@ def main() -> None:
                         rows.append(dict(m=m, k=k, n=n, dtype=str(dtype), kernel=f"triton {precision}",
                                          config=config.describe(), error=repr(exc)[:120]))
                     print(rows[-1], flush=True)
-        split_ms = triton.testing.do_bench(lambda: gemm.split_tf32(w), return_mode="median")
-        rows.append(dict(m=m, k=k, n=n, dtype="float32", kernel="split W into tf32 hi+lo", ms=split_ms))
+        for name, operand in (("W", w), ("x", x)):
+            split_ms = triton.testing.do_bench(lambda: gemm.split_tf32(operand), return_mode="median")
+            rows.append(dict(m=m, k=k, n=n, dtype="float32", kernel=f"split {name} into tf32 hi+lo", ms=split_ms))
     print(tabulate(rows, headers="keys", floatfmt=".4g"))
     if args.json:
         with open(args.json, "w") as f:

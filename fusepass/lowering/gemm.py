@@ -11,7 +11,10 @@ In eval mode the first row of programs also writes the per-feature mean and invs
 
 fp32 precisions (PRECISION meta-parameter): TF32 (what eager does when TF32 is allowed), TF32X3
 (Triton's three-pass split: fp32-accurate on tensor cores), SPLIT_W (the same three passes with W split
-into tf32 hi + lo once, in memory, so the main loop splits only the x tile). Plain fp32 FMA is left to
+into tf32 hi + lo once, in memory, so the main loop splits only the x tile) and SPLIT_X (x split in
+memory instead, for problems whose x is much smaller than W; the main loop splits the W tile, which it
+makes the dot's first operand, so that the split halves feed the tensor cores from registers, and
+accumulates y's tile transposed). Plain fp32 FMA is left to
 cuBLAS (linear_scale_batch_norm.py): a Triton FMA GEMM measured 2.7x eager's error in a gradient.
 bf16/fp16 inputs use the native dot, fp32 accumulation.
 """
@@ -31,8 +34,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fusepass.lowering.launch import launch, unused_pointer
 from fusepass.lowering.tiles import batch_norm_tile, inverse_std, load_scale, scale_mode, tile_column_stats
 
-NATIVE, TF32, TF32X3, SPLIT_W = 0, 2, 3, 4
-PRECISIONS = {"native": NATIVE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W}
+NATIVE, TF32, TF32X3, SPLIT_W, SPLIT_X = 0, 2, 3, 4, 5
+PRECISIONS = {"native": NATIVE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W, "split_x": SPLIT_X}
+PRE_SPLIT = ("split_w", "split_x")  # precisions whose kernel reads one operand as tf32 hi + lo from memory
 LINEAR, STATISTICS, NORMALIZE = 0, 1, 2
 
 
@@ -61,7 +65,7 @@ def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
     The first config is also offered with TMA loads (used only where tma_usable says so)."""
     if precision == "tf32x3":
         configs = [GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(64, 64, 64, 8, 4, 3)]
-    elif precision == "split_w":
+    elif precision in PRE_SPLIT:
         configs = [GemmConfig(128, 128, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 8, 4)]
     elif precision == "tf32":
         configs = [GemmConfig(128, 256, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 4, 4), GemmConfig(64, 64, 64, 8, 4, 3)]
@@ -100,8 +104,9 @@ def _tf32_split_kernel(src_ptr, hi_ptr, lo_ptr, n_elements, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _dot(a, b, b_lo, acc, PRECISION: tl.constexpr):
-    """acc + a @ b in the requested precision (b_lo: the low tf32 half of b, for SPLIT_W only)."""
+def _dot(a, b, lo, acc, PRECISION: tl.constexpr):
+    """acc + a @ b in the requested precision. lo: the low tf32 half of the operand split in memory
+    (SPLIT_W: of b; SPLIT_X: of a, whose high half is a). SPLIT_X accumulates (a @ b)^T."""
     if PRECISION == 2:
         # Tensor cores truncate fp32 operands to tf32; rounding them to nearest first, as cuBLAS does,
         # avoids a bias that grows with K (measured on an H200: 2.5x cuBLAS tf32's error in a gradient).
@@ -112,22 +117,39 @@ def _dot(a, b, b_lo, acc, PRECISION: tl.constexpr):
         acc = tl.dot(a, b, acc, input_precision="tf32x3")
     elif PRECISION == 4:
         a_hi, a_lo = tf32_split(a)
-        # As Triton's tf32x3: the K block's three products go into a fresh accumulator (small ones
-        # first), added to the running sum by an ordinary, round-to-nearest fp32 add. Tensor cores
-        # truncate when they accumulate; running the whole K loop through them measured 2e-5 relative
-        # error at K = 4096 (linear in K) against 2e-7 this way.
-        block = tl.dot(a_lo, b, tl.zeros_like(acc), input_precision="tf32")
-        block = tl.dot(a_hi, b_lo, block, input_precision="tf32")
-        acc += tl.dot(a_hi, b, block, input_precision="tf32")
+        acc = _three_pass_dot(a_hi, a_lo, b, lo, acc)
+    elif PRECISION == 5:
+        # Transposed, the tile split in registers is the first operand, the one wgmma reads from
+        # registers; the halves read from memory stay in shared memory.
+        b_hi, b_lo = tf32_split(tl.trans(b))
+        acc = _three_pass_dot(b_hi, b_lo, tl.trans(a), tl.trans(lo), acc)
     else:
         acc = tl.dot(a, b, acc)
     return acc
 
 
 @triton.jit
+def _three_pass_dot(a_hi, a_lo, b_hi, b_lo, acc):
+    """acc + (a_hi + a_lo) @ (b_hi + b_lo) without the lo @ lo term. As Triton's tf32x3: the K block's
+    three products go into a fresh accumulator (small ones first), added to the running sum by an
+    ordinary, round-to-nearest fp32 add. Tensor cores truncate when they accumulate; running the whole
+    K loop through them measured 2e-5 relative error at K = 4096 (linear in K) against 2e-7 this way."""
+    block = tl.dot(a_lo, b_hi, tl.zeros_like(acc), input_precision="tf32")
+    block = tl.dot(a_hi, b_lo, block, input_precision="tf32")
+    return acc + tl.dot(a_hi, b_hi, block, input_precision="tf32")
+
+
+@triton.jit
+def _load_k_tile(ptrs, k_mask, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=k_mask, other=0.0)
+
+
+@triton.jit
 def _linear_epilogue_kernel(
     # pointers: GEMM operands
-    x_ptr, w_ptr, w_lo_ptr, bias_ptr,
+    x_ptr, w_ptr, lo_ptr, bias_ptr,
     # pointers: batch-norm parameters and statistics
     scale_ptr, running_mean_ptr, running_var_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
     # pointers: outputs
@@ -157,42 +179,52 @@ def _linear_epilogue_kernel(
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PRECISION == 5:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y's tile transposed (see _dot)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
-        # x_ptr, w_ptr, w_lo_ptr are tensor descriptors: the copy engine fetches whole tiles, zero-filled
+        # x_ptr, w_ptr, lo_ptr are tensor descriptors: the copy engine fetches whole tiles, zero-filled
         # past the edges, so no masks and no address arithmetic in the loop.
         for k0 in range(0, K, BLOCK_K):
             a = x_ptr.load([pid_m * BLOCK_M, k0])
             b = w_ptr.load([pid_n * BLOCK_N, k0]).T
-            b_lo = b
+            lo = b
             if PRECISION == 4:
-                b_lo = w_lo_ptr.load([pid_n * BLOCK_N, k0]).T
-            acc = _dot(a, b, b_lo, acc, PRECISION)
+                lo = lo_ptr.load([pid_n * BLOCK_N, k0]).T
+            if PRECISION == 5:
+                lo = lo_ptr.load([pid_m * BLOCK_M, k0])
+            acc = _dot(a, b, lo, acc, PRECISION)
     else:
         ks = tl.arange(0, BLOCK_K)
         # Out-of-range rows/columns wrap around for the loads (always in bounds, no masks in the main
-        # loop); their results are never stored.
-        x_ptrs = x_ptr + (rows % M)[:, None] * stride_xm + ks[None, :] * stride_xk
+        # loop); their results are never stored. The low half has its operand's shape and strides.
+        x_offsets = (rows % M)[:, None] * stride_xm + ks[None, :] * stride_xk
         w_offsets = (cols % N)[None, :] * stride_wn + ks[:, None] * stride_wk
+        x_ptrs = x_ptr + x_offsets
         w_ptrs = w_ptr + w_offsets
-        w_lo_ptrs = w_lo_ptr + w_offsets
+        if PRECISION == 5:
+            lo_ptrs = lo_ptr + x_offsets
+            lo_step = BLOCK_K * stride_xk
+        else:
+            lo_ptrs = lo_ptr + w_offsets
+            lo_step = BLOCK_K * stride_wk
         for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(x_ptrs)
-                b = tl.load(w_ptrs)
-            else:
-                a = tl.load(x_ptrs, mask=(k0 + ks)[None, :] < K, other=0.0)
-                b = tl.load(w_ptrs, mask=(k0 + ks)[:, None] < K, other=0.0)
-            b_lo = b
+            x_k_mask = (k0 + ks)[None, :] < K
+            w_k_mask = (k0 + ks)[:, None] < K
+            a = _load_k_tile(x_ptrs, x_k_mask, EVEN_K)
+            b = _load_k_tile(w_ptrs, w_k_mask, EVEN_K)
+            lo = b
             if PRECISION == 4:
-                if EVEN_K:
-                    b_lo = tl.load(w_lo_ptrs)
-                else:
-                    b_lo = tl.load(w_lo_ptrs, mask=(k0 + ks)[:, None] < K, other=0.0)
-            acc = _dot(a, b, b_lo, acc, PRECISION)
+                lo = _load_k_tile(lo_ptrs, w_k_mask, EVEN_K)
+            if PRECISION == 5:
+                lo = _load_k_tile(lo_ptrs, x_k_mask, EVEN_K)
+            acc = _dot(a, b, lo, acc, PRECISION)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
-            w_lo_ptrs += BLOCK_K * stride_wk
+            lo_ptrs += lo_step
+    if PRECISION == 5:
+        acc = tl.trans(acc)
 
     row_mask = rows < M
     col_mask = cols < N
@@ -263,9 +295,11 @@ def linear_epilogue(
     m, k = x.shape
     n = weight.shape[0]
     device = x.device
-    w_lo = None
+    lo = None  # the low tf32 half of the operand split in memory
     if precision == "split_w":
-        weight, w_lo = split_tf32(weight)
+        weight, lo = split_tf32(weight)
+    elif precision == "split_x":
+        x, lo = split_tf32(x)
     y = torch.empty((m, n) if store_y else (0, 0), device=device, dtype=x.dtype)
     out = torch.empty((m, n), device=device, dtype=out_dtype) if epilogue == NORMALIZE else None
     n_parts = triton.cdiv(m, config.block_m) if epilogue == STATISTICS else 0
@@ -278,16 +312,17 @@ def linear_epilogue(
     def opt(t: Optional[Tensor]) -> Tensor:
         return t if t is not None else placeholder
 
-    # Without split_w the kernel never reads w_lo. It gets the placeholder, not weight a second time:
-    # traced by Inductor, an operand passed twice made the graph write the autocast cast of W into two
-    # buffers (measured: a second 128 MB copy at 8192 x 8192 bf16, and its write in the cast kernel).
-    operands = (x, weight, opt(w_lo))
+    # Without a pre-split operand the kernel never reads lo. It gets the placeholder, not an operand a
+    # second time: traced by Inductor, W passed twice made the graph write the autocast cast of W into
+    # two buffers (measured: a second 128 MB copy at 8192 x 8192 bf16, and its write in the cast kernel).
+    operands = (x, weight, opt(lo))
     if config.tma:
-        w_lo = weight if w_lo is None else w_lo  # a descriptor needs an operand-shaped tensor; unread
-        if not tma_usable(x, weight, w_lo):
+        lo_tile = [config.block_m if precision == "split_x" else config.block_n, config.block_k]
+        lo = weight if lo is None else lo  # a descriptor needs an operand-shaped tensor; unread
+        if not tma_usable(x, weight, lo):
             raise ValueError("linear_epilogue: these operands cannot be loaded through TMA descriptors")
         operands = (_descriptor(x, config.block_m, config.block_k), _descriptor(weight, config.block_n, config.block_k),
-                    _descriptor(w_lo, config.block_n, config.block_k))
+                    _descriptor(lo, *lo_tile))
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     launch(_linear_epilogue_kernel)[grid](
         *operands, opt(bias),

@@ -684,7 +684,7 @@ def implementations(x: Tensor, weight: Tensor, precision: str, gemm_choice: str,
     graph (may be none; see _cublas_traceable)."""
     candidates = {}
     if gemm_choice in ("auto", "triton") and precision != "ieee" and _fits_int32_offsets(x, weight.shape[0]):
-        precisions = [precision] + (["split_w"] if precision == "tf32x3" else [])
+        precisions = [precision] + ([_pre_split_precision(x, weight)] if precision == "tf32x3" else [])
         # Traced, the operands' addresses (and so their TMA alignment) are not known yet.
         tma = not traced and gemm.tma_usable(x, weight)
         for p in precisions:
@@ -695,6 +695,12 @@ def implementations(x: Tensor, weight: Tensor, precision: str, gemm_choice: str,
     if (gemm_choice in ("auto", "cublas") or not candidates) and (not traced or _cublas_traceable(precision)):
         candidates["cublas"] = functools.partial(cublas_batch_norm, precision=precision)
     return candidates
+
+
+def _pre_split_precision(x: Tensor, weight: Tensor) -> str:
+    """3xTF32 with the smaller operand split into tf32 hi + lo in memory, once per call (splitting the
+    other, larger one cost up to 13% of the GEMM: 0.20 ms for W at 1024 x 8192 -> 8192 on an H200)."""
+    return "split_x" if x.numel() < weight.numel() else "split_w"
 
 
 def _cublas_traceable(precision: str) -> bool:

@@ -12,7 +12,7 @@ from tests.lowering.test_linear_scale_batch_norm import KERNEL_DEVICE, float64_c
 
 # Small tiles keep the interpreter fast; on a GPU the same tiles exercise masking and several row tiles.
 SMALL = gemm.GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=2)
-FP32_ACCURATE = ["tf32x3", "split_w"]
+FP32_ACCURATE = ["tf32x3", "split_w", "split_x"]
 
 
 def test_tf32_split_is_exact_and_hi_fits_tf32():
@@ -65,8 +65,8 @@ def test_statistics_epilogue_per_row_tile(scale):
                                rtol=1e-4, atol=1e-4)
 
 
-IMPLEMENTATIONS = [("triton", "tf32x3"), ("triton", "split_w"), ("triton-tma", "tf32x3"), ("triton-tma", "split_w"),
-                   ("cublas", "tf32x3"), ("cublas", "ieee")]
+IMPLEMENTATIONS = [("triton", "tf32x3"), ("triton", "split_w"), ("triton", "split_x"), ("triton-tma", "tf32x3"),
+                   ("triton-tma", "split_w"), ("triton-tma", "split_x"), ("cublas", "tf32x3"), ("cublas", "ieee")]
 
 
 def run_implementation(case, impl, precision, training, keep_linear, tail, out_dtype=torch.float32):
@@ -155,7 +155,9 @@ def test_candidates_per_choice():
     x = make_case(8, 16, 4)["x"]
     auto = lowering.implementations(x, x, "tf32x3", "auto")
     assert "cublas" in auto and any(name.startswith("triton tf32x3") for name in auto)
-    assert any(name.startswith("triton split_w") for name in auto)
+    assert any(name.startswith("triton split_w") for name in auto)  # x as large as W: W is split
+    wide = make_case(8, 16, 32)["weight"]  # W larger than x: x is split, in memory
+    assert {name.split()[1] for name in lowering.implementations(x, wide, "tf32x3", "triton")} == {"tf32x3", "split_x"}
     assert list(lowering.implementations(x, x, "tf32x3", "cublas")) == ["cublas"]
     assert "cublas" not in lowering.implementations(x, x, "tf32", "triton")
     assert list(lowering.implementations(x, x, "ieee", "triton")) == ["cublas"]
