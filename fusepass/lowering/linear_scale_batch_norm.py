@@ -685,7 +685,9 @@ def implementations(x: Tensor, weight: Tensor, precision: str, gemm_choice: str,
     candidates = {}
     if gemm_choice in ("auto", "triton") and precision != "ieee" and _fits_int32_offsets(x, weight.shape[0]):
         precisions = [precision] + ([_pre_split_precision(x, weight)] if precision == "tf32x3" else [])
-        # Traced, the operands' addresses (and so their TMA alignment) are not known yet.
+        # Traced, no TMA configs: torch does not capture TMA descriptors when it traces a wrap_triton
+        # launch outside Dynamo ("not yet supported", torch 2.13's triton_kernel_wrap.py), and the
+        # operands' addresses (so their alignment) are not known yet.
         tma = not traced and gemm.tma_usable(x, weight)
         for p in precisions:
             for config in gemm.gemm_configs(p, x.dtype):
