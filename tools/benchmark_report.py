@@ -1,0 +1,643 @@
+"""BENCHMARKS.md, regenerated from measurements. Run from the repository root.
+
+    python tools/benchmark_report.py [all]        run every section (needs a CUDA GPU), then write
+    python tools/benchmark_report.py run [--only SECTION ...] [--out DIR] [--dry-run]
+    python tools/benchmark_report.py write [--json-dir DIR] [--output FILE]
+
+run:   fusepass-bench (python -m fusepass.bench) once per spec of the chosen sections, each writing
+       DIR/<spec>.json (default benchmarks/), which this script annotates with its section, the commit
+       and the state of the compile caches (every spec starts with empty Inductor, Triton and fusepass
+       caches of its own, so compile times are cold; the compile-warm section runs its spec twice
+       over the same caches and keeps the second, warm, run). fusepass must be installed
+       (`pip install -e .`): torch.compile finds the backend through its entry point.
+write: BENCHMARKS.md from every JSON file in benchmarks/ (no GPU): one table per measure with eager,
+       Inductor, Inductor max-autotune and fusepass side by side, fusepass's ratios, the floor and the
+       fraction of it reached. Where two files measured the same row, the newer one is shown.
+       Everything from the heading "## Tried and rejected" on is hand-written and kept verbatim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = ROOT / "BENCHMARKS.md"
+JSON_DIR = ROOT / "benchmarks"
+KEPT_HEADING = "## Tried and rejected"
+THIS = "python tools/benchmark_report.py"
+
+# --------------------------------------------------------------------------- what `run` measures
+
+SCALE_BN = "demos/problems/gemm_scale_batchnorm.py"  # 16384 x 4096 -> 4096
+SOFTMAX = "demos/problems/gemm_batchnorm_scale_softmax.py"  # 1024 x 8192 -> 8192
+PROVIDERS = ("eager", "inductor", "max-autotune", "fusepass")
+CUDA_GRAPH_PROVIDERS = ("inductor-cudagraphs", "fusepass-cudagraphs")
+# Fewer input draws and shorter timings than the bench's defaults (5 draws, 500 ms) keep the whole
+# run near 25 minutes on an H200.
+TIMING = ("--seeds", "2", "--warmup", "50", "--rep", "200")
+# The compile-warm section wants compile times only: one draw, the shortest timing.
+COMPILE_ONLY_TIMING = ("--seeds", "1", "--warmup", "10", "--rep", "20")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One fusepass-bench command. estimate_s: its wall time on an H200 with cold caches, estimated
+    from the compile_s and timings the bench has recorded there (max-autotune's GEMM autotuning is
+    most of it: 1-47 s per forward graph in fp32, about three times that with the backward's GEMMs)."""
+    name: str  # the JSON file's stem
+    section: str
+    problems: tuple[str, ...]
+    modes: tuple[str, ...]
+    precisions: tuple[str, ...]
+    estimate_s: int
+    size: Optional[str] = None  # --size N,K,F
+    backward: bool = False
+    providers: tuple[str, ...] = PROVIDERS
+    timing: tuple[str, ...] = TIMING
+    warm: bool = False  # run twice over the same caches; keep the second run
+
+    def argv(self, json_path: Path) -> list[str]:
+        args = [sys.executable, "-m", "fusepass.bench", *self.problems, "--mode", *self.modes,
+                "--precision", *self.precisions, "--providers", *self.providers, *self.timing,
+                "--json", str(json_path)]
+        args += ["--size", self.size] if self.size else []
+        args += ["--backward"] if self.backward else []
+        return args
+
+
+def forward_specs(precision: str, label: str, estimate_s: int, estimate_1024_s: int) -> list[Spec]:
+    section = f"forward-{label}"
+    return [Spec(section, section, (SCALE_BN, SOFTMAX), ("train", "eval"), (precision,), estimate_s),
+            Spec(f"{section}-1024", section, (SCALE_BN,), ("train", "eval"), (precision,), estimate_1024_s,
+                 size="1024,8192,8192")]
+
+
+def training_specs(precision: str, label: str, estimate_s: int, estimate_1024_s: int) -> list[Spec]:
+    section = f"training-step-{label}"
+    return [Spec(section, section, (SCALE_BN, SOFTMAX), ("train",), (precision,), estimate_s, backward=True),
+            Spec(f"{section}-1024", section, (SCALE_BN,), ("train",), (precision,), estimate_1024_s,
+                 size="1024,8192,8192", backward=True)]
+
+
+SPECS: list[Spec] = [
+    *forward_specs("fp32", "fp32", 210, 60),
+    *forward_specs("tf32", "tf32", 90, 35),
+    *forward_specs("bf16-autocast", "bf16", 95, 45),
+    *training_specs("fp32", "fp32", 240, 70),
+    *training_specs("tf32", "tf32", 120, 45),
+    *training_specs("bf16-autocast", "bf16", 130, 50),
+    Spec("small-shapes", "small-shapes", (SCALE_BN, SOFTMAX), ("train", "eval"), ("fp32", "bf16-autocast"), 150,
+         size="128,1024,512", providers=PROVIDERS + CUDA_GRAPH_PROVIDERS),
+    # cold priming run (~150 s) + warm run (~45 s)
+    Spec("compile-warm", "compile-warm", (SCALE_BN, SOFTMAX), ("train",), ("fp32", "bf16-autocast"), 195,
+         timing=COMPILE_ONLY_TIMING, warm=True),
+]
+SECTIONS = list(dict.fromkeys(spec.section for spec in SPECS))
+# Sections grouped into device calls of at most ~9 minutes each: the estimates above add up to at
+# most 7 minutes per call, a margin for estimates that are off by a third.
+DEVICE_CALLS = [
+    ("forward-fp32", "forward-tf32"),
+    ("forward-bf16", "small-shapes"),
+    ("training-step-fp32",),
+    ("training-step-tf32", "training-step-bf16"),
+    ("compile-warm",),
+]
+
+COLD_NOTE = ("empty Inductor (FX-graph, autotuning), Triton and fusepass tuning caches of its own: "
+             "compile times include fusepass's tuning and max-autotune's GEMM autotuning")
+WARM_NOTE = ("second process over the caches the first filled: Inductor's FX-graph and autotuning "
+             "caches, Triton's kernel cache and fusepass's tuning are warm")
+
+
+# --------------------------------------------------------------------------- run
+
+
+def selected_specs(only: Optional[list[str]]) -> list[Spec]:
+    if not only:
+        return SPECS
+    unknown = [name for name in only if name not in SECTIONS and name not in {s.name for s in SPECS}]
+    if unknown:
+        raise SystemExit(f"unknown section {unknown[0]!r}; sections: {', '.join(SECTIONS)}")
+    return [spec for spec in SPECS if spec.section in only or spec.name in only]
+
+
+def cache_env(cache_root: Path) -> dict[str, str]:
+    """Environment giving one bench process caches of its own under cache_root."""
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_root / "inductor"),
+            "TRITON_CACHE_DIR": str(cache_root / "triton"), "FUSEPASS_CACHE_DIR": str(cache_root / "fusepass"),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def run_bench(argv: list[str], env: dict[str, str], dry_run: bool) -> int:
+    print(("" if dry_run else "\n") + "$ python " + " ".join(argv[1:]), flush=True)
+    if dry_run:
+        return 0
+    status = subprocess.run(argv, cwd=ROOT, env=env).returncode
+    if status not in (0, 1):  # 1: some provider wrong, which the JSON records and the report shows
+        raise SystemExit(f"fusepass-bench failed (exit status {status}): {' '.join(argv[1:])}")
+    return status
+
+
+def run_spec(spec: Spec, out_dir: Path, dry_run: bool = False) -> None:
+    json_path = out_dir / f"{spec.name}.json"
+    cache_root = Path(tempfile.mkdtemp(prefix=f"fusepass-bench-{spec.name}-"))
+    try:
+        env = cache_env(cache_root)
+        if spec.warm:  # the priming run's figures are cold ones, already measured by the forward sections
+            run_bench(spec.argv(cache_root / "priming.json"), env, dry_run)
+        started = time.perf_counter()
+        run_bench(spec.argv(json_path), env, dry_run)
+        if not dry_run:
+            annotate(json_path, spec, time.perf_counter() - started)
+    finally:
+        shutil.rmtree(cache_root, ignore_errors=True)
+
+
+def annotate(json_path: Path, spec: Spec, wall_s: float) -> None:
+    """Adds what the bench cannot know: section, caches, commit, wall time."""
+    payload = json.loads(json_path.read_text())
+    payload["report"] = {"section": spec.section, "spec": spec.name, "caches": "warm" if spec.warm else "cold",
+                         "caches_note": WARM_NOTE if spec.warm else COLD_NOTE, "commit": current_commit(),
+                         "wall_s": round(wall_s)}
+    json_path.write_text(json.dumps(payload, indent=2))
+
+
+def current_commit() -> Optional[str]:
+    """HEAD's short hash, "+changes" when fusepass/ differs from it; None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "fusepass"], cwd=ROOT,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if changed else "")
+
+
+def run(only: Optional[list[str]], out_dir: Path, dry_run: bool = False) -> None:
+    out_dir = out_dir.resolve()  # the bench runs in the repository root
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for spec in selected_specs(only):
+        run_spec(spec, out_dir, dry_run)
+
+
+# --------------------------------------------------------------------------- results as rows
+
+# N, K, F of problem names from JSON that records no size (bench versions before --size).
+KNOWN_SIZES = {
+    "gemm_scale_batchnorm": (16384, 4096, 4096),
+    "gemm_scale_batchnorm_1024": (1024, 8192, 8192),
+    "gemm_batchnorm_scale_softmax": (1024, 8192, 8192),
+    "gemm_scale_batchnorm_small": (128, 1024, 512),
+    "gemm_batchnorm_scale_softmax_small": (128, 1024, 512),
+}
+# The problem files those names came from, now run with --size.
+OLD_FILE_NAMES = {"gemm_scale_batchnorm_1024": "gemm_scale_batchnorm",
+                  "gemm_scale_batchnorm_small": "gemm_scale_batchnorm",
+                  "gemm_batchnorm_scale_softmax_small": "gemm_batchnorm_scale_softmax"}
+SMALL_SIZE = (128, 1024, 512)
+MODES = ("train", "eval")
+PRECISIONS = ("fp32", "tf32", "bf16-autocast", "fp16-autocast")
+COMPILE_ONLY_SECTIONS = ("compile-warm", "compile-cold")  # timings not shown in the speed tables
+
+
+@dataclass
+class Source:
+    """One JSON file of fusepass-bench output."""
+    path: Path
+    payload: dict
+
+    @property
+    def env(self) -> dict:
+        return self.payload["environment"]
+
+    @property
+    def report(self) -> dict:
+        return self.payload.get("report", {})
+
+    @property
+    def backward(self) -> bool:
+        return bool(self.payload["config"].get("backward"))
+
+
+@dataclass
+class Row:
+    """One provider's result, with what the tables group and sort by."""
+    source: Source
+    result: dict
+    problem: str  # the problem file's name, without size
+    size: Optional[tuple[int, int, int]]
+    measure: str  # forward | training-step | small-shapes | compile-only
+
+    @property
+    def provider(self) -> str:
+        return self.result["provider"]
+
+    @property
+    def case(self) -> tuple:
+        return (self.problem, self.size, self.result["mode"], self.result["precision"])
+
+    @property
+    def usable(self) -> bool:
+        """Correct, and no graph fell back (its time would not be fusepass's)."""
+        fallbacks = self.result.get("fallbacks", self.result.get("fusepass_fallbacks")) or 0
+        return bool(self.result.get("correct")) and not fallbacks
+
+
+def result_size(result: dict, config: dict) -> Optional[tuple[int, int, int]]:
+    if result.get("size"):
+        return tuple(result["size"])
+    match = re.fullmatch(r".*@(\d+)x(\d+)x(\d+)", result["problem"])
+    if match:
+        return tuple(int(n) for n in match.groups())
+    shrunk = (config.get("shrink") or 1) > 1  # a shrunk problem's size is not the name's
+    return None if shrunk else KNOWN_SIZES.get(result["problem"])
+
+
+def problem_file_name(name: str) -> str:
+    base = name.split("@")[0]
+    return OLD_FILE_NAMES.get(base, base)
+
+
+def measure_of(source: Source, size: Optional[tuple]) -> str:
+    if source.report.get("section") in COMPILE_ONLY_SECTIONS:
+        return "compile-only"
+    if source.backward:
+        return "training-step"
+    return "small-shapes" if size == SMALL_SIZE else "forward"
+
+
+def rows_of(source: Source) -> list[Row]:
+    rows = []
+    for result in source.payload["results"]:
+        size = result_size(result, source.payload["config"])
+        rows.append(Row(source, result, problem_file_name(result["problem"]), size, measure_of(source, size)))
+    return rows
+
+
+def load_sources(json_dir: Path) -> list[Source]:
+    return [Source(path, json.loads(path.read_text())) for path in sorted(json_dir.glob("*.json"))]
+
+
+def newest_rows(sources: list[Source]) -> list[Row]:
+    """Every row, where two files measured the same one keeping the later (the dates are ISO, UTC)."""
+    chosen: dict[tuple, Row] = {}
+    for source in sorted(sources, key=lambda s: s.env["date"]):
+        for row in rows_of(source):
+            key = (row.measure, caches_label(source) if row.measure == "compile-only" else "", *row.case,
+                   row.provider)
+            chosen[key] = row
+    return list(chosen.values())
+
+
+def caches_label(source: Source) -> str:
+    return source.report.get("caches", "not recorded")
+
+
+# --------------------------------------------------------------------------- floors
+
+# Best rates measured on an H200 (torch 2.11, triton 3.6): cuBLAS TF32 up to 413 TFLOP/s, so 3xTF32
+# (three TF32 products) ~130 TFLOP/s effective; cuBLAS bf16 up to 709 TFLOP/s; device copy 4.2 TB/s.
+# No H100 rates have been measured: an H100's rows get no floor.
+RATES = {"H200": {"gemm": {"fp32": 130e12, "tf32": 413e12, "bf16-autocast": 709e12}, "copy": 4.2e12}}
+# Output bytes per element; autocast's is taken as bf16 even where a softmax returns fp32: a lower bound.
+OUT_BYTES = {"fp32": 4, "tf32": 4, "bf16-autocast": 2}
+
+
+def gpu_rates(device: str) -> Optional[dict]:
+    return next((rates for model, rates in RATES.items() if model in device), None)
+
+
+def floor_ms(size: Optional[tuple], precision: str, device: str, training_step: bool) -> Optional[float]:
+    """The GEMMs (one in a forward, three in a training step) at the GPU's best measured rate, or a
+    forward's unavoidable traffic (x and W read as fp32, as the model holds them, the output written
+    once) at its copy bandwidth, whichever is longer. None where no rate is known."""
+    rates = gpu_rates(device)
+    if size is None or rates is None or precision not in rates["gemm"]:
+        return None
+    n, k, f = size
+    gemm_s = 2 * n * k * f * (3 if training_step else 1) / rates["gemm"][precision]
+    traffic_s = 0.0 if training_step else (4 * (n * k + f * k) + OUT_BYTES[precision] * n * f) / rates["copy"]
+    return max(gemm_s, traffic_s) * 1e3
+
+
+# --------------------------------------------------------------------------- cells
+
+MISSING = "-"
+
+
+SPREAD = 1.5  # p80 / p20 above which a median gets its percentiles beside it
+
+
+def ms_cell(row: Optional[Row], key: str = "median_ms", digits: int = 3) -> str:
+    if row is None:
+        return MISSING
+    if not row.usable:
+        return "wrong"
+    value = row.result.get(key)
+    if value is None:
+        return MISSING
+    return f"{value:.{digits}f}" + (spread(row.result) if key == "median_ms" else "")
+
+
+def spread(result: dict) -> str:
+    """" (p20–p80)" where they are far apart: that median is not a figure to rely on."""
+    p20, p80 = result.get("p20_ms"), result.get("p80_ms")
+    return f" ({p20:.3f}–{p80:.3f})" if p20 and p80 and p80 > SPREAD * p20 else ""
+
+
+def ratio_cell(other: Optional[Row], fused: Optional[Row], key: str = "median_ms") -> str:
+    """other's time over fusepass's: above 1, fusepass is faster."""
+    if other is None or fused is None or not other.usable or not fused.usable:
+        return MISSING
+    a, b = other.result.get(key), fused.result.get(key)
+    return f"{a / b:.2f}×" if a is not None and b else MISSING
+
+
+def difference_cell(fused: Optional[Row], other: Optional[Row], key: str) -> str:
+    if other is None or fused is None or not other.usable or not fused.usable:
+        return MISSING
+    a, b = fused.result.get(key), other.result.get(key)
+    return f"{a - b:+.0f}" if a is not None and b is not None else MISSING
+
+
+def problem_cell(problem: str, size: Optional[tuple]) -> str:
+    return f"{problem} {size[0]}×{size[1]}→{size[2]}" if size else problem
+
+
+def floor_cells(providers: dict[str, Row], training_step: bool) -> list[str]:
+    fused = providers.get("fusepass")
+    any_row = fused or next(iter(providers.values()))
+    floor = floor_ms(any_row.size, any_row.result["precision"], any_row.source.env["device"], training_step)
+    if floor is None:
+        return [MISSING, MISSING]
+    reached = f"{floor / fused.result['median_ms']:.0%}" if fused and fused.usable else MISSING
+    return [f"{floor:.3f}", reached]
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def by_case(rows: Iterable[Row]) -> dict[tuple, dict[str, Row]]:
+    cases: dict[tuple, dict[str, Row]] = {}
+    for row in rows:
+        cases.setdefault(row.case, {})[row.provider] = row
+    return dict(sorted(cases.items(), key=lambda item: case_order(item[0])))
+
+
+def case_order(case: tuple) -> tuple:
+    problem, size, mode, precision = case
+    return (problem, -(size or (0,))[0], MODES.index(mode) if mode in MODES else 9,
+            PRECISIONS.index(precision) if precision in PRECISIONS else 9)
+
+
+TIME_HEADERS = ["eager ms", "Inductor ms", "max-autotune ms", "fusepass ms", "vs eager", "vs Inductor",
+                "vs max-autotune", "floor ms", "of floor"]
+
+
+def time_cells(providers: dict[str, Row], training_step: bool = False) -> list[str]:
+    fused = providers.get("fusepass")
+    return [*(ms_cell(providers.get(p)) for p in PROVIDERS),
+            *(ratio_cell(providers.get(p), fused) for p in ("eager", "inductor", "max-autotune")),
+            *floor_cells(providers, training_step)]
+
+
+def markdown(rows: list[list[str]], headers: list[str]) -> str:
+    return tabulate(rows, headers, tablefmt="github", disable_numparse=True)
+
+
+def forward_table(rows: list[Row], precision: str) -> Optional[str]:
+    cases = by_case(r for r in rows if r.measure == "forward" and r.result["precision"] == precision)
+    lines = [[problem_cell(case[0], case[1]), case[2], *time_cells(providers)] for case, providers in cases.items()]
+    return markdown(lines, ["problem", "mode", *TIME_HEADERS]) if lines else None
+
+
+def training_table(rows: list[Row]) -> Optional[str]:
+    cases = by_case(r for r in rows if r.measure == "training-step")
+    lines = [[problem_cell(case[0], case[1]), case[3], *time_cells(providers, training_step=True)]
+             for case, providers in cases.items()]
+    return markdown(lines, ["problem", "precision", *TIME_HEADERS]) if lines else None
+
+
+def small_table(rows: list[Row]) -> Optional[str]:
+    cases = by_case(r for r in rows if r.measure == "small-shapes")
+    lines = [[problem_cell(case[0], None), case[2], case[3], *time_cells(providers)]
+             for case, providers in cases.items()]
+    return markdown(lines, ["problem", "mode", "precision", *TIME_HEADERS]) if lines else None
+
+
+def cuda_graph_table(rows: list[Row]) -> Optional[str]:
+    cases = by_case(r for r in rows if r.measure == "small-shapes")
+    lines = []
+    for (problem, _, mode, precision), providers in cases.items():
+        if not any(p in providers for p in CUDA_GRAPH_PROVIDERS):
+            continue
+        graphs = providers.get("fusepass-cudagraphs")
+        lines.append([problem, mode, precision,
+                      *(ms_cell(providers.get(p)) for p in ("inductor", "inductor-cudagraphs", "fusepass",
+                                                            "fusepass-cudagraphs")),
+                      ratio_cell(providers.get("inductor-cudagraphs"), graphs),
+                      ratio_cell(providers.get("inductor"), graphs)])
+    headers = ["problem", "mode", "precision", "Inductor ms", "Inductor + graphs ms", "fusepass ms",
+               "fusepass + graphs ms", "fusepass + graphs vs Inductor + graphs", "vs Inductor"]
+    return markdown(lines, headers) if lines else None
+
+
+def compile_rows(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.measure in ("forward", "compile-only")]
+
+
+def compile_table(rows: list[Row]) -> Optional[str]:
+    groups: dict[tuple, dict[str, Row]] = {}
+    for row in compile_rows(rows):
+        groups.setdefault((*row.case, caches_label(row.source)), {})[row.provider] = row
+    lines = []
+    for key in sorted(groups, key=lambda k: (PRECISIONS.index(k[3]) if k[3] in PRECISIONS else 9,
+                                             case_order(k[:4]), k[4])):
+        providers, fused = groups[key], groups[key].get("fusepass")
+        lines.append([problem_cell(key[0], key[1]), key[2], key[3], key[4],
+                      *(ms_cell(providers.get(p), "compile_s", 2) for p in PROVIDERS),
+                      ratio_cell(providers.get("inductor"), fused, "compile_s"),
+                      ratio_cell(providers.get("max-autotune"), fused, "compile_s")])
+    headers = ["problem", "mode", "precision", "caches", "eager s", "Inductor s", "max-autotune s", "fusepass s",
+               "vs Inductor", "vs max-autotune"]
+    return markdown(lines, headers) if lines else None
+
+
+def memory_table(rows: list[Row]) -> Optional[str]:
+    lines = []
+    for measure in ("forward", "training-step"):
+        for (problem, size, mode, precision), providers in by_case(r for r in rows if r.measure == measure).items():
+            fused = providers.get("fusepass")
+            lines.append([measure, problem_cell(problem, size), mode, precision,
+                          *(ms_cell(providers.get(p), "peak_mb", 0) for p in PROVIDERS),
+                          difference_cell(fused, providers.get("eager"), "peak_mb"),
+                          difference_cell(fused, providers.get("inductor"), "peak_mb")])
+    headers = ["measure", "problem", "mode", "precision", "eager MB", "Inductor MB", "max-autotune MB", "fusepass MB",
+               "fusepass − eager MB", "fusepass − Inductor MB"]
+    return markdown(lines, headers) if lines else None
+
+
+# --------------------------------------------------------------------------- the document
+
+
+def regenerate_block() -> str:
+    calls = []
+    for sections in DEVICE_CALLS:
+        minutes = sum(s.estimate_s for s in SPECS if s.section in sections) / 60
+        calls.append(f"{THIS} run --only {' '.join(sections):<38} # ~{minutes:.0f} min")
+    total = sum(s.estimate_s for s in SPECS) / 60
+    return "\n".join([
+        "Regenerate, from the repository root, on a machine with a CUDA GPU and fusepass installed "
+        "(`pip install -e .`):", "",
+        "```bash", f"{THIS}            # every section (~{total:.0f} min on an H200), then this file", "```", "",
+        "or in device calls of under 9 minutes each (estimated H200 wall times), then the file alone "
+        "(no GPU needed):", "",
+        "```bash", *calls, f"{THIS} write", "```", "",
+        "`run --dry-run` prints the fusepass-bench commands; `--out DIR` writes the JSON elsewhere "
+        "(copy it into `benchmarks/` before `write`).",
+    ])
+
+
+def environments_line(sources: list[Source]) -> str:
+    envs = sorted({(s.env["device"], s.env["torch"], s.env["triton"]) for s in sources})
+    dates = sorted(s.env["date"] for s in sources)
+    what = "; ".join(f"{device}, torch {torch}, triton {triton}" for device, torch, triton in envs)
+    when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+    return f"**Measured on:** {what}; {when} (UTC, as each JSON file records it)."
+
+
+def sources_table(sources: list[Source]) -> str:
+    lines = []
+    for s in sources:
+        config = s.payload["config"]
+        lines.append([f"`benchmarks/{s.path.name}`", s.env["device"], s.env["torch"], s.env["triton"], s.env["date"],
+                      s.report.get("commit") or MISSING, str(config.get("seeds", MISSING)),
+                      str(config.get("rep_ms", MISSING)), caches_label(s)])
+    return markdown(lines, ["file", "GPU", "torch", "triton", "date", "commit", "seeds", "rep ms", "caches"])
+
+
+def caches_notes(sources: list[Source]) -> list[str]:
+    notes = dict.fromkeys(f"- **{caches_label(s)}**: {s.report['caches_note']}"
+                          for s in sources if s.report.get("caches_note"))
+    return list(notes)
+
+
+def rates_line() -> str:
+    parts = []
+    for model, rates in RATES.items():
+        gemm = ", ".join(f"{p} {r / 1e12:.0f} TFLOP/s" for p, r in rates["gemm"].items())
+        parts.append(f"{model}: GEMMs {gemm} (fp32 is 3xTF32, three TF32 products); copy "
+                     f"{rates['copy'] / 1e12:.1f} TB/s")
+    return "; ".join(parts)
+
+
+METHOD = """\
+Each provider runs its own copy of the same model; fusepass-bench first checks each one against a
+float64 copy on fresh input draws (a provider that is wrong, or whose graphs fell back to plain
+Inductor, shows "wrong" and is not timed), then times it with `triton.testing.do_bench` (CUDA events,
+L2 flushed between calls). Times are medians in ms. Train-mode forwards run with grad enabled (a
+training step's forward); eval-mode forwards run under `torch.no_grad()`. max-autotune is Inductor's
+`mode="max-autotune-no-cudagraphs"`. "vs X" is X's median over fusepass's: above 1, fusepass is faster.
+A median whose 20th and 80th percentiles are more than 1.5× apart has them beside it in parentheses:
+it is noise, not a result. "-" means not measured."""
+
+
+def floor_text() -> str:
+    return "\n".join([
+        "Floor: the longer of (a) 2·N·K·F FLOP per GEMM — one in a forward, three in a training step — at "
+        "the GPU's best measured rate for the precision and (b) a forward's unavoidable memory traffic (x "
+        "and W read as the fp32 the model holds, the output written once) at the measured copy "
+        "bandwidth; a training step's floor counts its GEMMs only. \"of floor\" is the floor over "
+        "fusepass's median.",
+        f"Rates: {rates_line()}. No best rates have been measured on an H100, so an H100's rows have no floor.",
+    ])
+
+
+def section(title: str, intro: str, table: Optional[str]) -> list[str]:
+    return [f"## {title}", "", intro, "", table or "Not measured (no JSON in `benchmarks/` has these rows).", ""]
+
+
+def render(sources: list[Source], kept: str) -> str:
+    rows = newest_rows(sources)
+    parts = ["# Benchmarks", "", "fusepass's current performance, generated by `tools/benchmark_report.py` from the "
+             "fusepass-bench JSON in `benchmarks/`; edit only the section \"Tried and rejected\" by hand.", "",
+             regenerate_block(), "", environments_line(sources) if sources else "No measurements yet.", "",
+             METHOD, "", floor_text(), ""]
+    for precision, title in (("fp32", "fp32"), ("tf32", "tf32"), ("bf16-autocast", "bf16 autocast")):
+        parts += section(f"Forward, {title}", f"Forward of the model, `--precision {precision}`, train and eval "
+                         "modes.", forward_table(rows, precision))
+    parts += section("Training step", "Forward + backward in train mode (`--backward`); the floor counts three "
+                     "GEMMs.", training_table(rows))
+    parts += section("Small shapes, 128×1024→512", "Both problems at `--size 128,1024,512`. Their floor is about a "
+                     "microsecond: these times are launch and host overhead.", small_table(rows))
+    graphs = cuda_graph_table(rows)
+    if graphs:
+        parts += ["With CUDA graphs (`mode=\"reduce-overhead\"`), from the same runs:", "", graphs, ""]
+    parts += section("Compile time", "The first call of each provider, compilation included (the bench's "
+                     "`compile_s`), from the forward runs; \"vs X\" is X's seconds over fusepass's. Caches:\n\n"
+                     + "\n".join(caches_notes(sources)), compile_table(rows))
+    parts += section("Peak memory", "`torch.cuda.max_memory_allocated` over one call. It includes every tensor "
+                     "the bench process holds — each provider's copy of the model and a float64 copy — so only "
+                     "the differences between providers are the providers' own.", memory_table(rows))
+    parts += ["## Sources", "", sources_table(sources), "", kept.rstrip(), ""]
+    return "\n".join(parts)
+
+
+def kept_section(report: Path) -> str:
+    """The hand-written part of the report: from KEPT_HEADING to the end, verbatim."""
+    text = report.read_text() if report.exists() else ""
+    start = text.find(f"\n{KEPT_HEADING}\n")
+    if start < 0:
+        return f"{KEPT_HEADING}\n\nNothing recorded yet.\n"
+    return text[start + 1:]
+
+
+def write(json_dir: Path, output: Path) -> None:
+    text = render(load_sources(json_dir), kept_section(output))
+    output.write_text(text)
+    print(f"wrote {output.relative_to(ROOT) if output.is_relative_to(ROOT) else output}")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    sections = "; ".join(f"{name} (~{sum(s.estimate_s for s in SPECS if s.section == name) / 60:.1f} min)"
+                         for name in SECTIONS)
+    parser = argparse.ArgumentParser(prog=THIS, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=f"sections, with estimated H200 wall times: {sections}")
+    parser.add_argument("step", nargs="?", choices=("all", "run", "write"), default="all")
+    parser.add_argument("--only", nargs="+", metavar="SECTION", help="run these sections (or specs) only")
+    parser.add_argument("--out", type=Path, default=JSON_DIR, help="where run writes its JSON (default benchmarks/)")
+    parser.add_argument("--dry-run", action="store_true", help="print the fusepass-bench commands, run nothing")
+    parser.add_argument("--json-dir", type=Path, default=JSON_DIR, help="where write reads JSON (default benchmarks/)")
+    parser.add_argument("--output", type=Path, default=REPORT, help="the report (default BENCHMARKS.md)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.step in ("all", "run"):
+        run(args.only, args.out, args.dry_run)
+    if args.step in ("all", "write") and not args.dry_run:
+        write(args.json_dir, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
