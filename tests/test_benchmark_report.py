@@ -1,0 +1,195 @@
+"""tools/benchmark_report.py: the report written from small synthetic fusepass-bench JSON (CPU only),
+and the run step's commands against the real CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "benchmark_report.py"
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("benchmark_report", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+report = load_tool()
+
+SIZE_1024 = [1024, 8192, 8192]
+# Hand-checked: 2 * 1024 * 8192 * 8192 FLOP at 130 TFLOP/s (H200, fp32 as 3xTF32) = 1.0572 ms, more
+# than the traffic ((4 * (1024*8192 + 8192*8192) + 4 * 1024*8192) B at 4.2 TB/s = 0.080 ms).
+FLOOR_FP32_1024_MS = 1.057
+FUSED_MS = 2.114  # so the floor is 50% of it
+
+
+def result(provider, median_ms, *, problem="gemm_scale_batchnorm@1024x8192x8192", mode="train", precision="fp32",
+           size=SIZE_1024, correct=True, compile_s=1.0, peak_mb=1000.0, **extra):
+    row = {"problem": problem, "mode": mode, "precision": precision, "provider": provider, "correct": correct,
+           "median_ms": median_ms if correct else None, "p20_ms": median_ms, "p80_ms": median_ms,
+           "compile_s": compile_s, "peak_mb": peak_mb, **extra}
+    if size is not None:
+        row["size"] = size
+    return row
+
+
+def payload(results, *, device="NVIDIA H200", backward=False, date="2030-01-01T00:00:00+00:00", report=None):
+    data = {"environment": {"device": device, "torch": "9.9.0", "triton": "8.8.0", "date": date,
+                            "command": "fusepass-bench ..."},
+            "config": {"backward": backward, "seeds": 2, "rep_ms": 200, "shrink": 1},
+            "results": results}
+    if report:
+        data["report"] = report
+    return data
+
+
+def four_providers(**kwargs):
+    return [result("eager", 4.228, **kwargs), result("inductor", 3.171, **kwargs),
+            result("max-autotune", 2.6425, **kwargs), result("fusepass", FUSED_MS, **kwargs)]
+
+
+def write_report(tmp_path, payloads, kept=None) -> str:
+    json_dir = tmp_path / "benchmarks"
+    json_dir.mkdir(exist_ok=True)
+    for name, data in payloads.items():
+        (json_dir / f"{name}.json").write_text(json.dumps(data))
+    output = tmp_path / "BENCHMARKS.md"
+    if kept is not None:
+        output.write_text("# Old report\n\nold tables\n\n" + kept)
+    report.write(json_dir, output)
+    return output.read_text()
+
+
+def section_text(text: str, title: str) -> str:
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end]
+
+
+def table_line(text: str, title: str, *cells: str) -> list[str]:
+    """The cells of the one row of section `title` whose line holds all of `cells`."""
+    lines = [line for line in section_text(text, title).splitlines()
+             if line.startswith("|") and all(c in line for c in cells)]
+    assert len(lines) == 1, lines
+    return [cell.strip() for cell in lines[0].strip("|").split("|")]
+
+
+def test_forward_table_has_every_provider_ratios_and_floor(tmp_path):
+    text = write_report(tmp_path, {"forward-fp32": payload(four_providers())})
+    forward = section_text(text, "Forward, fp32")
+    for header in ("eager ms", "Inductor ms", "max-autotune ms", "fusepass ms", "floor ms", "of floor"):
+        assert header in forward
+    cells = table_line(text, "Forward, fp32", "gemm_scale_batchnorm 1024×8192→8192", "train")
+    assert cells[2:6] == ["4.228", "3.171", "2.643", "2.114"]
+    assert cells[6:9] == ["2.00×", "1.50×", "1.25×"]  # eager's, Inductor's, max-autotune's time over fusepass's
+    assert cells[9:] == [f"{FLOOR_FP32_1024_MS:.3f}", "50%"]
+
+
+def test_training_step_floor_counts_three_gemms(tmp_path):
+    rows = [result("eager", 8.458), result("inductor", 6.344), result("fusepass", 4.229)]
+    text = write_report(tmp_path, {"training": payload(rows, backward=True)})
+    cells = table_line(text, "Training step", "gemm_scale_batchnorm 1024×8192→8192", "fp32")
+    assert cells[2:9] == ["8.458", "6.344", "-", "4.229", "2.00×", "1.50×", "-"]
+    assert cells[9:] == ["3.172", "75%"]  # 3 * 1.0572 ms over 4.229 ms
+    assert "Not measured" in section_text(text, "Forward, fp32")  # a training step is not a forward
+
+
+def test_missing_provider_is_a_dash_and_a_wrong_one_says_so(tmp_path):
+    rows = [result("eager", 4.228), result("inductor", 3.171, correct=False), result("fusepass", FUSED_MS)]
+    text = write_report(tmp_path, {"forward-fp32": payload(rows)})
+    cells = table_line(text, "Forward, fp32", "gemm_scale_batchnorm 1024×8192→8192", "train")
+    assert cells[2:6] == ["4.228", "wrong", "-", "2.114"]
+    assert cells[6:9] == ["2.00×", "-", "-"]
+
+
+def test_a_fusepass_provider_with_fallbacks_is_wrong(tmp_path):
+    rows = [result("eager", 4.228), result("fusepass", FUSED_MS, fallbacks=1)]
+    text = write_report(tmp_path, {"forward-fp32": payload(rows)})
+    cells = table_line(text, "Forward, fp32", "gemm_scale_batchnorm 1024×8192→8192", "train")
+    assert cells[5] == "wrong" and cells[-1] == "-"
+
+
+def test_tried_and_rejected_section_is_kept_verbatim(tmp_path):
+    kept = "## Tried and rejected\n\n- **Something**: 2.7× slower (`abc1234`).\n  second line, kept as is  \n"
+    text = write_report(tmp_path, {"forward-fp32": payload(four_providers())}, kept=kept)
+    assert text.endswith(kept)
+    assert "old tables" not in text
+    again = write_report(tmp_path, {}, kept=None)  # the report now on disk is the one just written
+    assert again.endswith(kept)
+
+
+def test_header_states_gpu_versions_date_and_the_command(tmp_path):
+    text = write_report(tmp_path, {"forward-fp32": payload(four_providers())})
+    head = text.split("## Forward, fp32")[0]
+    assert "NVIDIA H200, torch 9.9.0, triton 8.8.0" in head and "2030-01-01T00:00:00+00:00" in head
+    assert "python tools/benchmark_report.py" in head and "python tools/benchmark_report.py write" in head
+
+
+def test_json_without_size_takes_it_from_the_problem_name_and_newer_rows_win(tmp_path):
+    old = [result("eager", 9.0, problem="gemm_scale_batchnorm_1024", size=None),
+           result("fusepass", 9.0, problem="gemm_scale_batchnorm_1024", size=None)]
+    text = write_report(tmp_path, {"old": payload(old, date="2029-01-01T00:00:00+00:00"),
+                                   "new": payload(four_providers())})
+    cells = table_line(text, "Forward, fp32", "gemm_scale_batchnorm 1024×8192→8192", "train")
+    assert cells[2] == "4.228"  # the newer file's row, one row for both names
+    sources = section_text(text, "Sources")
+    assert "new.json" in sources and "old.json" not in sources  # nothing of it is shown
+    assert report.result_size({"problem": "gemm_batchnorm_scale_softmax_small"}, {}) == (128, 1024, 512)
+
+
+def test_small_shapes_and_unknown_gpu(tmp_path):
+    small = [result(p, ms, problem="gemm_scale_batchnorm@128x1024x512", size=[128, 1024, 512])
+             for p, ms in (("eager", 0.05), ("fusepass", 0.1))]
+    text = write_report(tmp_path, {"small": payload(small, device="NVIDIA H100 80GB HBM3")})
+    cells = table_line(text, "Small shapes, 128×1024→512", "gemm_scale_batchnorm", "train")
+    assert cells[3:7] == ["0.050", "-", "-", "0.100"]
+    assert cells[-2:] == ["-", "-"]  # no measured rates for an H100: no floor
+    assert "Not measured" in section_text(text, "Forward, fp32")
+
+
+def test_compile_and_memory_tables(tmp_path):
+    warm = payload(four_providers(), report={"section": "compile-warm", "caches": "warm", "caches_note": "second"})
+    rows = four_providers()
+    rows[3]["peak_mb"] = 1032.0
+    text = write_report(tmp_path, {"forward": payload(rows, report={"caches": "cold", "caches_note": "first"}),
+                                   "warm": warm})
+    assert "- **cold**: first" in text and "- **warm**: second" in text
+    compile_rows = [line for line in section_text(text, "Compile time").splitlines() if "1024×8192→8192" in line]
+    assert len(compile_rows) == 2  # cold, from the forward run; warm, from the compile-only run
+    memory = table_line(text, "Peak memory", "forward", "gemm_scale_batchnorm 1024×8192→8192")
+    assert memory[-2:] == ["+32", "+32"]
+    assert "compile-warm" not in section_text(text, "Forward, fp32")
+
+
+def test_help_runs_from_the_repository_root():
+    done = subprocess.run([sys.executable, "tools/benchmark_report.py", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "forward-fp32" in done.stdout and "write" in done.stdout
+
+
+def test_run_commands_match_the_bench_cli():
+    bench = pytest.importorskip("fusepass.bench")
+    for spec in report.SPECS:
+        argv = spec.argv(Path("out.json"))
+        assert argv[1:3] == ["-m", "fusepass.bench"]
+        problems, cfg, _ = bench.parse_args(argv[3:])
+        assert all((ROOT / p).is_file() for p in problems)
+        assert cfg.providers[0] == "eager" and set(report.PROVIDERS) <= set(cfg.providers)
+    assert {s.section for s in report.SPECS} == {s for call in report.DEVICE_CALLS for s in call}
+
+
+def test_a_wide_spread_is_shown_beside_the_median(tmp_path):
+    rows = [result("eager", 4.228, p20_ms=1.0, p80_ms=6.0), result("fusepass", FUSED_MS)]
+    text = write_report(tmp_path, {"forward-fp32": payload(rows)})
+    cells = table_line(text, "Forward, fp32", "gemm_scale_batchnorm 1024×8192→8192", "train")
+    assert cells[2] == "4.228 (1.000–6.000)" and cells[5] == "2.114"
