@@ -12,22 +12,15 @@ import torch
 from tabulate import tabulate
 from torch.fx import GraphModule
 
-from fusepass.pattern import Match, Miss, meta_value
+from fusepass.pattern import Match, Miss, find_chains
 
 _dump_counter = itertools.count()
 
 
 def describe_match(match: Match, graph_index: int) -> dict[str, Any]:
-    linear, bn = match.get("linear"), match.get("batch_norm")
-    first, last = match.nodes[0], match.last
-    return {
-        "graph": graph_index,
-        "pattern": match.pattern,
-        "nodes": [n.name for n in match.nodes],
-        "shapes": {"x": _shape(linear.x), "weight": _shape(linear.weight), "out": _shape(last)},
-        "dtypes": {"x": _dtype(linear.x), "linear": _dtype(first), "out": _dtype(last)},
-        "training": bn.training,
-    }
+    """A match as explain() lists it: where, which member of its family, and what its family says of it."""
+    return {"graph": graph_index, "pattern": match.pattern, "nodes": [n.name for n in match.nodes],
+            **match.family.describe(match)}
 
 
 def describe_miss(miss: Miss, graph_index: int) -> dict[str, Any]:
@@ -37,16 +30,6 @@ def describe_miss(miss: Miss, graph_index: int) -> dict[str, Any]:
         "nodes": [n.name for n in miss.nodes],
         "reason": miss.reason,
     }
-
-
-def _shape(node: Any):
-    value = meta_value(node)
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-
-
-def _dtype(node: Any):
-    value = meta_value(node)
-    return str(value.dtype).replace("torch.", "") if isinstance(value, torch.Tensor) else None
 
 
 @dataclass
@@ -96,8 +79,6 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
     Runs a deep copy of the model once under torch.compile with a backend that only records the
     matches and misses of each graph Dynamo captures (the copy runs eagerly otherwise).
     """
-    from fusepass.pattern import find_chains
-
     report = Report()
 
     def recording_backend(gm: GraphModule, _example_inputs):

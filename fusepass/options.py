@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import difflib
-import functools
-import hashlib
 import os
-from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch._inductor
 from torch._inductor import config as inductor_config
 
-from fusepass.lowering.linear_scale_batch_norm import FP32_MATMUL, GEMM_CHOICES
+from fusepass.lowering.schema import Kernel
+from fusepass.lowering.tuning import source_hash
 
 DEBUG_DIR_ENV = "FUSEPASS_DEBUG_DIR"
 FALLBACKS = ("inductor", "eager")
@@ -30,23 +28,11 @@ FUSEPASS_KEYS = {
 
 
 @dataclass(frozen=True)
-class KernelOptions:
-    """What the fused ops are told about how to run (arguments of each fused op in the graph)."""
-    fp32_matmul: str = "tf32x3"
-    gemm: str = "auto"
-
-    def __post_init__(self):
-        for key, value, valid in (("fp32_matmul", self.fp32_matmul, FP32_MATMUL), ("gemm", self.gemm, GEMM_CHOICES)):
-            if value not in valid:
-                raise ValueError(f"fusepass: options[{key!r}] must be one of {valid}, got {value!r}")
-
-
-@dataclass(frozen=True)
 class Options:
     mode: str = "default"
     debug_dir: Optional[str] = None
     fallback: str = "inductor"
-    kernel: KernelOptions = KernelOptions()
+    kernel: Kernel = Kernel()  # the fused ops' own options, passed to each op in the graph
     inductor_patches: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -64,7 +50,8 @@ class Options:
         patches.update(_inductor_patches(options))
         _key_caches_on_fusepass_source(patches)
         debug_dir = own.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
-        kernel = KernelOptions(**{key: own[key] for key in ("fp32_matmul", "gemm") if key in own})
+        kernel = Kernel(**{key: own[key] for key in ("fp32_matmul", "gemm") if key in own})
+        kernel.validate()
         return cls(mode=mode, debug_dir=debug_dir, fallback=fallback, kernel=kernel, inductor_patches=patches)
 
 
@@ -79,22 +66,13 @@ def _inductor_patches(options: dict[str, Any]) -> dict[str, Any]:
     return patches
 
 
-@functools.cache
-def _fusepass_source_hash() -> str:
-    package = Path(__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def _key_caches_on_fusepass_source(patches: dict[str, Any]) -> None:
     """Inductor's caches know the fused op by name only, not its Python kernels or backward formula:
     key them on fusepass's source, so a changed fusepass never reuses a stale compiled graph."""
     key = "unsafe_marked_cacheable_functions"
     if key in inductor_config.get_config_copy():
         marked = dict(patches.get(key, inductor_config.get_config_copy()[key]))
-        marked["torch.ops.fusepass"] = _fusepass_source_hash()
+        marked["torch.ops.fusepass"] = source_hash()
         patches[key] = marked
 
 

@@ -1,10 +1,11 @@
-"""Which chains fusepass fuses, described declaratively, and the matcher that finds them.
+"""How fusepass finds the chains it fuses: step parsers and a generic matcher.
 
-The family is `linear -> [mul by s1] -> batch_norm -> [mul by s2] -> [softmax over the features]`:
-a list of steps, each with a parser that recognises one FX node and normalizes its arguments once
-(into LinearArgs, ScaleArgs, BatchNormArgs, SoftmaxArgs). The matcher anchors on batch_norm (the rare
-op), walks back through the head steps and forward through the tail steps; every anchor it cannot
-fuse, and every tail step it had to leave out, becomes a Miss with the reason for `explain()`.
+A chain family (fusepass/families/) is a list of steps around an anchor, each step a parser that
+recognises one FX node and normalizes its arguments once (into LinearArgs, ScaleArgs, BatchNormArgs,
+SoftmaxArgs). The matcher anchors on the family's anchor (the rare op), walks back through the head
+steps and forward through the tail steps; every anchor it cannot fuse, and every tail step it had to
+leave out, becomes a Miss with the reason for `explain()`. What replaces a match is the family's own
+business (its `replace`), kept next to its steps.
 """
 
 from __future__ import annotations
@@ -204,31 +205,25 @@ class Step:
         return self.parse(node)
 
 
-LINEAR = Step("linear", "linear", LINEAR_TARGETS, parse_linear)
-SCALE_BEFORE = Step("scale_before", "scale", MUL_TARGETS, parse_scale, optional=True)
-BATCH_NORM = Step("batch_norm", "batch_norm", BATCH_NORM_TARGETS, parse_batch_norm)
-SCALE_AFTER = Step("scale_after", "scale", MUL_TARGETS, parse_scale, optional=True)
-SOFTMAX = Step("softmax", "softmax", SOFTMAX_TARGETS, parse_softmax, optional=True)
-
-
 @dataclass(frozen=True)
 class ChainFamily:
     """Steps in data-flow order: `head` feeds `anchor`, which feeds `tail`. Optional steps may be
-    absent; the tail's steps are all optional, the chain simply ends earlier."""
+    absent; the tail's steps are all optional, the chain simply ends earlier. `replace(graph, match,
+    replaced, kernel)` puts the fused op in the graph in place of a match and returns the node that
+    stands for the chain's output; `describe(match)` gives explain() the match's shapes and dtypes."""
 
     head: tuple[Step, ...]
     anchor: Step
-    tail: tuple[Step, ...] = ()
-
-
-LINEAR_BATCH_NORM_FAMILY = ChainFamily(head=(LINEAR, SCALE_BEFORE), anchor=BATCH_NORM, tail=(SCALE_AFTER, SOFTMAX))
-FAMILIES = (LINEAR_BATCH_NORM_FAMILY,)
+    tail: tuple[Step, ...]
+    replace: Callable[..., Node]
+    describe: Callable[["Match"], dict[str, Any]]
 
 
 @dataclass
 class Match:
     """A chain to replace: `nodes` in data-flow order and each matched step's normalized arguments."""
 
+    family: ChainFamily
     nodes: tuple[Node, ...]
     steps: tuple[Step, ...]
     args: dict[str, Any]  # step key -> LinearArgs / ScaleArgs / BatchNormArgs / SoftmaxArgs
@@ -328,13 +323,17 @@ def _match_anchor(family: ChainFamily, anchor: Node) -> Union[tuple[Match, list[
         return head
     tail, left_out = _match_tail(family.tail, anchor)
     steps = [*head, (family.anchor, anchor, anchor_args), *tail]
-    match = Match(nodes=tuple(n for _, n, _ in steps), steps=tuple(s for s, _, _ in steps),
+    match = Match(family=family, nodes=tuple(n for _, n, _ in steps), steps=tuple(s for s, _, _ in steps),
                   args={s.key: a for s, _, a in steps})
     return match, left_out
 
 
-def find_chains(graph: Graph, families: tuple[ChainFamily, ...] = FAMILIES) -> tuple[list[Match], list[Miss]]:
-    """Every fusable chain in `graph`, and every anchor-like node that could not be fused, with why."""
+def find_chains(graph: Graph, families: Optional[tuple[ChainFamily, ...]] = None) -> tuple[list[Match], list[Miss]]:
+    """Every fusable chain in `graph`, and every anchor-like node that could not be fused, with why.
+    `families`: those to look for (default: all of fusepass's)."""
+    if families is None:
+        from fusepass.families import FAMILIES
+        families = FAMILIES
     matches, misses = [], []
     for node in graph.nodes:
         results = [_match_anchor(f, node) for f in families if _is_call(node, f.anchor.targets)]

@@ -1,22 +1,21 @@
 """The fused operator's Triton GEMM: y = x @ W^T + b on tensor cores, with the BatchNorm chain's
 first steps in its epilogue, so that the (N, F) result is not read again just to get statistics.
 
-Epilogues (EPILOGUE meta-parameter):
-  LINEAR     store y (in x's dtype, like eager's linear);
-  STATISTICS store y, and per row-tile and feature the mean and M2 of z = y * s1 (merged later with
-             Chan's formula by the statistics-finalize kernel);
-  NORMALIZE  eval mode: store ((z - running_mean) * invstd * gamma + beta) * s2 directly (and y only
-             if the backward needs it).
+Epilogues (EPILOGUE):
+  EPILOGUE_LINEAR      store y (in x's dtype, like eager's linear);
+  EPILOGUE_STATISTICS  store y, and per row-tile and feature the mean and M2 of z = y * s1 (merged later
+                       with Chan's formula by the passes after the GEMM);
+  EPILOGUE_NORMALIZE   eval mode: store ((z - running_mean) * invstd * gamma + beta) * s2 directly (and y
+                       only if the backward needs it).
 In eval mode the first row of programs also writes the per-feature mean and invstd the op returns.
 
-fp32 precisions (PRECISION meta-parameter): TF32 (what eager does when TF32 is allowed), TF32X3
-(Triton's three-pass split: fp32-accurate on tensor cores), SPLIT_W (the same three passes with W split
-into tf32 hi + lo once, in memory, so the main loop splits only the x tile) and SPLIT_X (x split in
-memory instead, for problems whose x is much smaller than W; the main loop splits the W tile, which it
-makes the dot's first operand, so that the split halves feed the tensor cores from registers, and
-accumulates y's tile transposed). Plain fp32 FMA is left to
-cuBLAS (linear_scale_batch_norm.py): a Triton FMA GEMM measured 2.7x eager's error in a gradient.
-bf16/fp16 inputs use the native dot, fp32 accumulation.
+fp32 precisions (PRECISION): TF32 (what eager does when TF32 is allowed), TF32X3 (Triton's three-pass
+split: fp32-accurate on tensor cores), SPLIT_W (the same three passes with W split into tf32 hi + lo
+once, in memory, so the main loop splits only the x tile) and SPLIT_X (x split in memory instead, for
+problems whose x is much smaller than W; the main loop splits the W tile, which it makes the dot's
+first operand, so that the split halves feed the tensor cores from registers, and accumulates y's tile
+transposed). Plain fp32 FMA is left to cuBLAS: a Triton FMA GEMM measured 2.7x eager's error in a
+gradient. bf16/fp16 inputs use the NATIVE dot, fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -31,13 +30,23 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fusepass.lowering.launch import launch, unused_pointer
-from fusepass.lowering.tiles import batch_norm_tile, inverse_std, load_scale, scale_mode, tile_column_stats
+from fusepass.lowering.launch import launch, present_or_placeholder, unused_pointer
+from fusepass.lowering.schema import BatchNorm, Linear, Scale
+from fusepass.lowering.tiles import batch_norm_tile, inverse_std, load_scale, tile_column_stats
 
-NATIVE, TF32, TF32X3, SPLIT_W, SPLIT_X = 0, 2, 3, 4, 5
+# GEMM precisions (PRECISION).
+NATIVE = tl.constexpr(0)
+TF32 = tl.constexpr(1)
+TF32X3 = tl.constexpr(2)
+SPLIT_W = tl.constexpr(3)
+SPLIT_X = tl.constexpr(4)
 PRECISIONS = {"native": NATIVE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W, "split_x": SPLIT_X}
 PRE_SPLIT = ("split_w", "split_x")  # precisions whose kernel reads one operand as tf32 hi + lo from memory
-LINEAR, STATISTICS, NORMALIZE = 0, 1, 2
+
+# What the GEMM does after its main loop (EPILOGUE).
+EPILOGUE_LINEAR = tl.constexpr(0)
+EPILOGUE_STATISTICS = tl.constexpr(1)
+EPILOGUE_NORMALIZE = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -107,18 +116,18 @@ def _tf32_split_kernel(src_ptr, hi_ptr, lo_ptr, n_elements, BLOCK: tl.constexpr)
 def _dot(a, b, lo, acc, PRECISION: tl.constexpr):
     """acc + a @ b in the requested precision. lo: the low tf32 half of the operand split in memory
     (SPLIT_W: of b; SPLIT_X: of a, whose high half is a). SPLIT_X accumulates (a @ b)^T."""
-    if PRECISION == 2:
+    if PRECISION == TF32:
         # Tensor cores truncate fp32 operands to tf32; rounding them to nearest first, as cuBLAS does,
         # avoids a bias that grows with K (measured on an H200: 2.5x cuBLAS tf32's error in a gradient).
         a_hi, _ = tf32_split(a)
         b_hi, _ = tf32_split(b)
         acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
-    elif PRECISION == 3:
+    elif PRECISION == TF32X3:
         acc = tl.dot(a, b, acc, input_precision="tf32x3")
-    elif PRECISION == 4:
+    elif PRECISION == SPLIT_W:
         a_hi, a_lo = tf32_split(a)
         acc = _three_pass_dot(a_hi, a_lo, b, lo, acc)
-    elif PRECISION == 5:
+    elif PRECISION == SPLIT_X:
         # Transposed, the tile split in registers is the first operand, the one wgmma reads from
         # registers; the halves read from memory stay in shared memory.
         b_hi, b_lo = tf32_split(tl.trans(b))
@@ -147,7 +156,7 @@ def _load_k_tile(ptrs, k_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _linear_epilogue_kernel(
+def _gemm_kernel(
     # pointers: GEMM operands
     x_ptr, w_ptr, lo_ptr, bias_ptr,
     # pointers: batch-norm parameters and statistics
@@ -179,7 +188,7 @@ def _linear_epilogue_kernel(
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PRECISION == 5:
+    if PRECISION == SPLIT_X:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y's tile transposed (see _dot)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -190,9 +199,9 @@ def _linear_epilogue_kernel(
             a = x_ptr.load([pid_m * BLOCK_M, k0])
             b = w_ptr.load([pid_n * BLOCK_N, k0]).T
             lo = b
-            if PRECISION == 4:
+            if PRECISION == SPLIT_W:
                 lo = lo_ptr.load([pid_n * BLOCK_N, k0]).T
-            if PRECISION == 5:
+            if PRECISION == SPLIT_X:
                 lo = lo_ptr.load([pid_m * BLOCK_M, k0])
             acc = _dot(a, b, lo, acc, PRECISION)
     else:
@@ -203,7 +212,7 @@ def _linear_epilogue_kernel(
         w_offsets = (cols % N)[None, :] * stride_wn + ks[:, None] * stride_wk
         x_ptrs = x_ptr + x_offsets
         w_ptrs = w_ptr + w_offsets
-        if PRECISION == 5:
+        if PRECISION == SPLIT_X:
             lo_ptrs = lo_ptr + x_offsets
             lo_step = BLOCK_K * stride_xk
         else:
@@ -215,15 +224,15 @@ def _linear_epilogue_kernel(
             a = _load_k_tile(x_ptrs, x_k_mask, EVEN_K)
             b = _load_k_tile(w_ptrs, w_k_mask, EVEN_K)
             lo = b
-            if PRECISION == 4:
+            if PRECISION == SPLIT_W:
                 lo = _load_k_tile(lo_ptrs, w_k_mask, EVEN_K)
-            if PRECISION == 5:
+            if PRECISION == SPLIT_X:
                 lo = _load_k_tile(lo_ptrs, x_k_mask, EVEN_K)
             acc = _dot(a, b, lo, acc, PRECISION)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
             lo_ptrs += lo_step
-    if PRECISION == 5:
+    if PRECISION == SPLIT_X:
         acc = tl.trans(acc)
 
     row_mask = rows < M
@@ -238,7 +247,7 @@ def _linear_epilogue_kernel(
     y = y.to(tl.float32)
 
     s = load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
-    if EPILOGUE == 1:
+    if EPILOGUE == EPILOGUE_STATISTICS:
         count = tl.minimum(M - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
         tile_mean, tile_m2 = tile_column_stats(y * s[None, :], row_mask, count)
         tl.store(part_mean_ptr + pid_m * N + cols, tile_mean, mask=col_mask)
@@ -249,7 +258,7 @@ def _linear_epilogue_kernel(
         if pid_m == 0:
             tl.store(mean_ptr + cols, mean, mask=col_mask)
             tl.store(invstd_ptr + cols, invstd, mask=col_mask)
-        if EPILOGUE == 2:
+        if EPILOGUE == EPILOGUE_NORMALIZE:
             s2 = load_scale(scale_after_ptr, scale_after_value, cols, col_mask, SCALE_AFTER_MODE)
             u = batch_norm_tile(y, s, mean, invstd, gamma_ptr, beta_ptr, s2, cols, col_mask, HAS_GAMMA, HAS_BETA)
             tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
@@ -271,27 +280,33 @@ def split_tf32(t: Tensor) -> tuple[Tensor, Tensor]:
 @dataclass
 class GemmOutputs:
     y: Tensor                  # the linear output (empty when not stored)
-    out: Optional[Tensor]      # NORMALIZE: the op's output
-    part_mean: Optional[Tensor]  # STATISTICS: (row tiles, F)
+    out: Optional[Tensor]      # EPILOGUE_NORMALIZE: the op's output
+    part_mean: Optional[Tensor]  # EPILOGUE_STATISTICS: (row tiles, F)
     part_m2: Optional[Tensor]
     rows_per_part: int
 
 
-def linear_epilogue(
-    x: Tensor, weight: Tensor, bias: Optional[Tensor], precision: str, config: GemmConfig, *,
-    epilogue: int = LINEAR, store_y: bool = True,
-    scale: Optional[Tensor] = None, scale_value: float = 1.0,
-    running_mean: Optional[Tensor] = None, running_var: Optional[Tensor] = None, eps: float = 0.0,
-    bn_weight: Optional[Tensor] = None, bn_bias: Optional[Tensor] = None,
-    scale_after: Optional[Tensor] = None, scale_after_value: float = 1.0,
-    out_dtype: Optional[torch.dtype] = None, mean: Optional[Tensor] = None, invstd: Optional[Tensor] = None,
-) -> GemmOutputs:
-    """Runs the GEMM with its epilogue. `mean`/`invstd` (F-sized fp32) are filled from the running
-    statistics when given (eval mode)."""
+@dataclass(frozen=True)
+class EvalNormalization:
+    """What the eval-mode epilogues read and write: the running statistics (batch_norm), gamma/beta, the
+    scales, and the F-sized fp32 mean/invstd outputs filled from the running statistics."""
+    batch_norm: BatchNorm
+    mean: Tensor
+    invstd: Tensor
+    scale_after: Scale = Scale()
+    out_dtype: Optional[torch.dtype] = None
+
+
+def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: int = EPILOGUE_LINEAR.value,
+             store_y: bool = True, scale_before: Scale = Scale(),
+             eval_norm: Optional[EvalNormalization] = None) -> GemmOutputs:
+    """y = x @ W^T + b with the epilogue asked for. `eval_norm` (eval mode) fills mean/invstd from the
+    running statistics, and with EPILOGUE_NORMALIZE normalizes into a new output."""
+    x, weight, bias = linear.x, linear.weight, linear.bias
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"linear_epilogue: bad shapes {tuple(x.shape)} @ {tuple(weight.shape)}^T")
-    if epilogue == NORMALIZE and mean is None:
-        raise ValueError("linear_epilogue: the NORMALIZE epilogue needs mean/invstd outputs (eval mode)")
+        raise ValueError(f"run_gemm: bad shapes {tuple(x.shape)} @ {tuple(weight.shape)}^T")
+    if epilogue == EPILOGUE_NORMALIZE.value and eval_norm is None:
+        raise ValueError("run_gemm: the NORMALIZE epilogue needs eval_norm (eval mode)")
     m, k = x.shape
     n = weight.shape[0]
     device = x.device
@@ -301,16 +316,15 @@ def linear_epilogue(
     elif precision == "split_x":
         x, lo = split_tf32(x)
     y = torch.empty((m, n) if store_y else (0, 0), device=device, dtype=x.dtype)
-    out = torch.empty((m, n), device=device, dtype=out_dtype) if epilogue == NORMALIZE else None
-    n_parts = triton.cdiv(m, config.block_m) if epilogue == STATISTICS else 0
+    normalizes = epilogue == EPILOGUE_NORMALIZE.value
+    out = torch.empty((m, n), device=device, dtype=eval_norm.out_dtype) if normalizes else None
+    n_parts = triton.cdiv(m, config.block_m) if epilogue == EPILOGUE_STATISTICS.value else 0
     part_mean = torch.empty((n_parts, n), device=device, dtype=torch.float32)
     part_m2 = torch.empty((n_parts, n), device=device, dtype=torch.float32)
-    placeholder = unused_pointer(device)  # for absent optional tensors
-    y_strides = (y.stride(0), y.stride(1)) if store_y else (0, 0)
-    out_strides = (out.stride(0), out.stride(1)) if out is not None else (0, 0)
+    placeholder = unused_pointer(device)
 
     def opt(t: Optional[Tensor]) -> Tensor:
-        return t if t is not None else placeholder
+        return present_or_placeholder(t, placeholder)
 
     # Without a pre-split operand the kernel never reads lo. It gets the placeholder, not an operand a
     # second time: traced by Inductor, W passed twice made the graph write the autocast cast of W into
@@ -320,21 +334,25 @@ def linear_epilogue(
         lo_tile = [config.block_m if precision == "split_x" else config.block_n, config.block_k]
         lo = weight if lo is None else lo  # a descriptor needs an operand-shaped tensor; unread
         if not tma_usable(x, weight, lo):
-            raise ValueError("linear_epilogue: these operands cannot be loaded through TMA descriptors")
+            raise ValueError("run_gemm: these operands cannot be loaded through TMA descriptors")
         operands = (_descriptor(x, config.block_m, config.block_k), _descriptor(weight, config.block_n, config.block_k),
                     _descriptor(lo, *lo_tile))
+    bn = eval_norm.batch_norm if eval_norm else None
+    scale_after = eval_norm.scale_after if eval_norm else Scale()
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-    launch(_linear_epilogue_kernel)[grid](
+    launch(_gemm_kernel)[grid](
         *operands, opt(bias),
-        opt(scale), opt(running_mean), opt(running_var), opt(bn_weight), opt(bn_bias), opt(scale_after),
-        y, opt(out), part_mean, part_m2, opt(mean), opt(invstd),
+        opt(scale_before.tensor), opt(bn and bn.running_mean), opt(bn and bn.running_var),
+        opt(bn and bn.weight), opt(bn and bn.bias), opt(scale_after.tensor),
+        y, opt(out), part_mean, part_m2, opt(eval_norm and eval_norm.mean), opt(eval_norm and eval_norm.invstd),
         m, n, k,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *y_strides, *out_strides,
-        scale_value, scale_after_value, eps,
-        PRECISION=PRECISIONS[precision] if x.dtype == torch.float32 else NATIVE,
-        EPILOGUE=epilogue, STORE_Y=store_y, EVAL_STATS=mean is not None,
-        HAS_BIAS=bias is not None, SCALE_MODE=scale_mode(scale), SCALE_AFTER_MODE=scale_mode(scale_after),
-        HAS_GAMMA=bn_weight is not None, HAS_BETA=bn_bias is not None,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        *(y.stride() if store_y else (0, 0)), *(out.stride() if normalizes else (0, 0)),
+        scale_before.value, scale_after.value, bn.eps if bn else 0.0,
+        PRECISION=(PRECISIONS[precision] if x.dtype == torch.float32 else NATIVE).value,
+        EPILOGUE=epilogue, STORE_Y=store_y, EVAL_STATS=eval_norm is not None,
+        HAS_BIAS=bias is not None, SCALE_MODE=scale_before.mode, SCALE_AFTER_MODE=scale_after.mode,
+        HAS_GAMMA=bn is not None and bn.weight is not None, HAS_BETA=bn is not None and bn.bias is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         EVEN_K=k % config.block_k == 0, USE_TMA=config.tma,
         num_warps=config.num_warps, num_stages=config.num_stages,

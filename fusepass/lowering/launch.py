@@ -41,6 +41,11 @@ def unused_pointer(device) -> torch.Tensor:
     return torch.empty(0, device=device, dtype=torch.float32)
 
 
+def present_or_placeholder(tensor, placeholder: torch.Tensor) -> torch.Tensor:
+    """An optional tensor argument as a kernel takes it: the tensor, or the placeholder when absent."""
+    return tensor if tensor is not None else placeholder
+
+
 @contextlib.contextmanager
 def real_tensors() -> Iterator[None]:
     """Leaves tracing for a moment: tensors made inside are real and kernels launch for real. Used to

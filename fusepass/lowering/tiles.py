@@ -9,16 +9,20 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-# How a scale enters the kernels: a Python number, a one-element tensor, or one value per feature.
-SCALE_NUMBER, SCALE_SINGLE, SCALE_PER_FEATURE = 0, 1, 2
+# How a scale enters the kernels (SCALE_MODE): a Python number, a one-element tensor, or one value per
+# feature. Constexpr globals, so kernels compare against the names; launchers pass `.value`.
+SCALE_NUMBER = tl.constexpr(0)
+SCALE_SINGLE = tl.constexpr(1)
+SCALE_PER_FEATURE = tl.constexpr(2)
 # Triton's interpreter (TRITON_INTERPRET=1, read when kernels are defined) has no libdevice.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def scale_mode(scale) -> int:
+    """SCALE_MODE for a scale tensor (None: a Python number)."""
     if scale is None:
-        return SCALE_NUMBER
-    return SCALE_PER_FEATURE if scale.numel() > 1 else SCALE_SINGLE
+        return SCALE_NUMBER.value
+    return (SCALE_PER_FEATURE if scale.numel() > 1 else SCALE_SINGLE).value
 
 
 @triton.jit
@@ -35,9 +39,9 @@ def exp_accurate(x, ACCURATE_EXP: tl.constexpr):
 @triton.jit
 def load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE: tl.constexpr):
     """The scale as an fp32 vector over the columns, whatever form it came in."""
-    if SCALE_MODE == 2:
+    if SCALE_MODE == SCALE_PER_FEATURE:
         s = tl.load(scale_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    elif SCALE_MODE == 1:
+    elif SCALE_MODE == SCALE_SINGLE:
         s = tl.load(scale_ptr + cols * 0, mask=col_mask, other=0.0).to(tl.float32)
     else:
         s = tl.full(cols.shape, 1.0, tl.float32) * tl.cast(scale_value, tl.float32)

@@ -33,16 +33,17 @@ def cache_path() -> Path:
 
 
 @functools.cache
-def _kernel_source_hash() -> str:
+def source_hash() -> str:
+    """A hash of fusepass's Python source: its kernels, and everything that decides how they run."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    for path in sorted(Path(__file__).parent.parent.rglob("*.py")):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
 def environment_key(device: torch.device) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return f"{name}|torch {torch.__version__}|triton {triton.__version__}|kernels {_kernel_source_hash()}"
+    return f"{name}|torch {torch.__version__}|triton {triton.__version__}|source {source_hash()}"
 
 
 class Tuner:

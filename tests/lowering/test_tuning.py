@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from fusepass.lowering import tuning
+from fusepass.lowering import choice, tuning
 from tests.chains import requires_cuda
+from tests.lowering.cases import make_args
 
 CPU = torch.device("cpu")
 
@@ -84,18 +85,13 @@ def test_unwritable_cache_only_logs(tmp_path, monkeypatch):
 @pytest.mark.cuda
 def test_real_tuning_of_the_op_on_gpu(cache_dir):
     """The op times its implementations once, then a fresh tuner reads the choice from disk."""
-    from tests.lowering.test_linear_scale_batch_norm import make_case
-    import fusepass.lowering.linear_scale_batch_norm as lowering
-
-    case = make_case(256, 128, 96, device="cuda")
-    args = (*case.values(), True, 0.1, 1e-5, torch.float32, False, None, 1.0, False)
-    candidates = {name: (lambda run=run: run(*args))
-                  for name, run in lowering.implementations(case["x"], case["weight"], "tf32x3", "auto").items()}
-    problem = lowering.Problem.of(args, "tf32x3", "auto").describe()
-    choice = tuning.Tuner().choose(problem, torch.device("cuda"), candidates)
-    assert choice in candidates
-    assert list(json.loads((cache_dir / "tuning.json").read_text()).values()) == [choice]
-    assert tuning.Tuner().choose(problem, torch.device("cuda"), {"cublas": candidates["cublas"], choice: None}) == choice
+    args = make_args(256, 128, 96, device="cuda")
+    candidates = {name: (lambda run=run: run(args)) for name, run in choice.implementations(args, "tf32x3").items()}
+    problem = choice.ChoiceKey.of(args, "tf32x3", traced=False).describe()
+    chosen = tuning.Tuner().choose(problem, torch.device("cuda"), candidates)
+    assert chosen in candidates
+    assert list(json.loads((cache_dir / "tuning.json").read_text()).values()) == [chosen]
+    assert tuning.Tuner().choose(problem, torch.device("cuda"), {"cublas": candidates["cublas"], chosen: None}) == chosen
 
 
 @requires_cuda
@@ -119,22 +115,18 @@ def test_traced_op_is_tuned_on_stand_ins(cache_dir, monkeypatch):
     """Traced (fake arguments), the op is tuned on real stand-ins of the same shapes. Candidates: no TMA
     (alignment is unknown), and cuBLAS only where the global TF32 flag gives the precision asked for."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from tests.lowering.test_linear_scale_batch_norm import make_case
-    import fusepass.lowering.linear_scale_batch_norm as lowering
 
-    monkeypatch.setattr(lowering, "_CHOSEN", {})
+    monkeypatch.setattr(choice, "_CHOSEN", {})
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     with FakeTensorMode():
-        case = make_case(256, 128, 96, device="cuda")
-        args = (*case.values(), True, 0.1, 1e-5, torch.float32, False, None, 1.0, False)
-        x, w = case["x"], case["weight"]
-        traced = lowering.implementations(x, w, "tf32x3", "auto", traced=True)
+        args = make_args(256, 128, 96, device="cuda")
+        traced = choice.implementations(args, "tf32x3", traced=True)
         assert not any(name.endswith(" tma") for name in traced) and "cublas" in traced
-        assert list(lowering.implementations(x, w, "ieee", "auto", traced=True)) == ["cublas"]
-        chosen = lowering.choose_implementation(args, "tf32x3", "auto", traced=True)
+        assert list(choice.implementations(args, "ieee", traced=True)) == ["cublas"]
+        chosen = choice.choose_implementation(args, traced=True)
     assert any(run.func is chosen.func and run.keywords == chosen.keywords for run in traced.values())
     [key] = json.loads((cache_dir / "tuning.json").read_text())
     assert key.endswith(" traced")
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     with FakeTensorMode():
-        assert lowering.implementations(x, w, "ieee", "auto", traced=True) == {}
+        assert choice.implementations(args, "ieee", traced=True) == {}

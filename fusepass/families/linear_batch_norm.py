@@ -1,0 +1,115 @@
+"""The family `linear -> [* s1] -> batch_norm -> [* s2] -> [softmax over the features]` and its
+replacement, one call of `torch.ops.fusepass.linear_scale_batch_norm` (fusepass/lowering/).
+
+Pattern: the steps below, anchored on batch_norm. Replacement: the op, its arguments built by name
+(ChainArgs) from the steps' normalized arguments; in training, copies of the op's new running
+statistics into the module's buffers (the op itself mutates nothing); the num_batches_tracked
+increment stays in the graph.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+from torch.fx import Graph, Node
+
+from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Kernel, Linear, Scale, flatten
+from fusepass.pattern import (BATCH_NORM_TARGETS, LINEAR_TARGETS, MUL_TARGETS, SOFTMAX_TARGETS, ChainFamily, Match,
+                              ScaleArgs, Step, meta_value, parse_batch_norm, parse_linear, parse_scale, parse_softmax)
+
+FUSED_OP = torch.ops.fusepass.linear_scale_batch_norm.default
+
+LINEAR = Step("linear", "linear", LINEAR_TARGETS, parse_linear)
+SCALE_BEFORE = Step("scale_before", "scale", MUL_TARGETS, parse_scale, optional=True)
+BATCH_NORM = Step("batch_norm", "batch_norm", BATCH_NORM_TARGETS, parse_batch_norm)
+SCALE_AFTER = Step("scale_after", "scale", MUL_TARGETS, parse_scale, optional=True)
+SOFTMAX = Step("softmax", "softmax", SOFTMAX_TARGETS, parse_softmax, optional=True)
+
+
+def replace(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Kernel) -> Node:
+    """Puts FUSED_OP in place of the match; returns the node that now stands for the chain's output.
+    `replaced` maps the last nodes of chains replaced earlier to their new nodes (a chain may feed
+    another)."""
+    last = match.last
+    result = meta_value(last)
+    args = _op_args(graph, match, replaced, kernel, result)
+    with graph.inserting_before(last):
+        fused = graph.call_function(FUSED_OP, flatten(args))
+        out = graph.call_function(operator.getitem, (fused, ChainOutputs._fields.index("out")))
+        out.meta.update(last.meta)
+        bn = args.batch_norm
+        if bn.updates_running_stats:
+            for name, buffer in (("new_running_mean", bn.running_mean), ("new_running_var", bn.running_var)):
+                new_value = graph.call_function(operator.getitem, (fused, ChainOutputs._fields.index(name)))
+                graph.call_method("copy_", (buffer, new_value))
+    last.replace_all_uses_with(out)
+    for node in reversed(match.nodes):
+        graph.erase_node(node)
+    return out
+
+
+def _op_args(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Kernel, result) -> ChainArgs:
+    """The op's arguments for a match, as graph nodes and constants."""
+    linear, bn = match.get("linear"), match.get("batch_norm")
+    # Under autocast the linear runs in a lower precision than its inputs: the op sees that dtype.
+    compute_dtype = meta_value(match.nodes[0]).dtype
+
+    def node(value: Optional[Node], cast: bool = False) -> Optional[Node]:
+        value = replaced.get(value, value)
+        if not cast:
+            return value
+        with graph.inserting_before(match.last):
+            return _cast(graph, value, compute_dtype)
+
+    def scale(step: Optional[ScaleArgs]) -> Scale:
+        if step is None:
+            return Scale()
+        return Scale(tensor=node(step.scale)) if isinstance(step.scale, Node) else Scale(value=float(step.scale))
+
+    return ChainArgs(
+        linear=Linear(x=node(linear.x, cast=True), weight=node(linear.weight, cast=True),
+                      bias=node(linear.bias, cast=True)),
+        scale_before=scale(match.get("scale_before")),
+        batch_norm=BatchNorm(weight=node(bn.weight), bias=node(bn.bias), running_mean=node(bn.running_mean),
+                             running_var=node(bn.running_var), training=bn.training, momentum=bn.momentum,
+                             eps=bn.eps),
+        scale_after=scale(match.get("scale_after")),
+        softmax=match.get("softmax") is not None,
+        out_dtype=result.dtype,
+        save_linear_out=bool(result.requires_grad),  # the backward needs it; inference does not
+        kernel=kernel,
+    )
+
+
+def _cast(graph: Graph, node: Optional[Node], dtype: torch.dtype) -> Optional[Node]:
+    """Casts `node` to `dtype` in the graph, as autocast does for linear's inputs; no-op if it already is."""
+    value = meta_value(node)
+    if node is None or value is None or value.dtype == dtype:
+        return node
+    return graph.call_method("to", (node, dtype))
+
+
+def describe(match: Match) -> dict[str, Any]:
+    linear, bn = match.get("linear"), match.get("batch_norm")
+    first, last = match.nodes[0], match.last
+    return {
+        "shapes": {"x": _shape(linear.x), "weight": _shape(linear.weight), "out": _shape(last)},
+        "dtypes": {"x": _dtype(linear.x), "linear": _dtype(first), "out": _dtype(last)},
+        "training": bn.training,
+    }
+
+
+def _shape(node: Any):
+    value = meta_value(node)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _dtype(node: Any):
+    value = meta_value(node)
+    return str(value.dtype).replace("torch.", "") if isinstance(value, torch.Tensor) else None
+
+
+FAMILY = ChainFamily(head=(LINEAR, SCALE_BEFORE), anchor=BATCH_NORM, tail=(SCALE_AFTER, SOFTMAX),
+                     replace=replace, describe=describe)

@@ -1,0 +1,112 @@
+"""The fused op's backward: gradients of every differentiable argument, in plain PyTorch (Inductor
+compiles it with the rest of the backward graph; GEMMs on cuBLAS).
+
+More exact than eager where eager cancels: in training the linear bias's gradient is exactly 0 (batch
+norm removes any shift), and the pre-BN scale's gradient has a closed form instead of a sum that cancels
+to rounding noise.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fusepass.lowering.reference import affine
+from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Linear, Scale, gradients_in_op_order, unflatten
+
+
+def setup_context(ctx, inputs: tuple, output: tuple) -> None:
+    args = unflatten(inputs)
+    outputs = ChainOutputs(*output)
+    ctx.mark_non_differentiable(outputs.new_running_mean, outputs.new_running_var, outputs.linear_out,
+                                outputs.mean, outputs.invstd)
+    lin, bn = args.linear, args.batch_norm
+    ctx.save_for_backward(lin.x, lin.weight, args.scale_before.tensor, bn.weight, bn.bias, args.scale_after.tensor,
+                          outputs.linear_out, outputs.mean, outputs.invstd, outputs.out if args.softmax else None)
+    ctx.training, ctx.eps, ctx.save_linear_out, ctx.softmax = bn.training, bn.eps, args.save_linear_out, args.softmax
+    ctx.scale_before_value, ctx.scale_after_value = args.scale_before.value, args.scale_after.value
+    ctx.bias_dtype = lin.bias.dtype if lin.bias is not None else None
+
+
+def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tuple:
+    (x, weight, scale_tensor, bn_weight, bn_bias, scale_after_tensor, linear_out, mean, invstd,
+     out) = ctx.saved_tensors
+    if not ctx.save_linear_out:
+        raise RuntimeError("fusepass.linear_scale_batch_norm was called with save_linear_out=False; no backward")
+    need: ChainArgs = unflatten(ctx.needs_input_grad)
+    s1, s2 = Scale(scale_tensor, ctx.scale_before_value), Scale(scale_after_tensor, ctx.scale_after_value)
+    y = linear_out.float()
+    x_hat = (y * s1.factor() - mean) * invstd
+    g = grad_out.float()
+    if ctx.softmax:  # through softmax: p * (g - sum(g * p))
+        p = out.float()
+        g = p * (g - (g * p).sum(1, keepdim=True))
+    grads = {}
+    if need.scale_after.tensor and s2.tensor is not None:
+        bn_out = affine(x_hat, BatchNorm(bn_weight, bn_bias, None, None, ctx.training, 0.0, ctx.eps))
+        if ctx.softmax and s2.tensor.numel() == 1:
+            # Each row of the softmax gradient sums to exactly 0, so a one-element scale's gradient is a
+            # covariance under p: centring bn_out per row removes the rounding of that 0 from the sum.
+            bn_out = bn_out - (p * bn_out).sum(1, keepdim=True)
+        grads["scale_after_tensor"] = _reduce_to(g * bn_out, s2.tensor)
+    g = g * s2.factor()  # now the gradient w.r.t. the batch_norm output
+
+    g_hat = g * bn_weight.float() if bn_weight is not None else g
+    sum_g_xhat = (g_hat * x_hat).sum(0)
+    if ctx.training:  # batch statistics depend on z: project out the mean and the x_hat component
+        grad_z = (g_hat - g_hat.mean(0) - x_hat * (sum_g_xhat / g.shape[0])) * invstd
+    else:
+        grad_z = g_hat * invstd
+    grad_y = (grad_z * s1.factor()).to(linear_out.dtype)
+
+    if need.linear.x:
+        grads["linear_x"] = grad_y @ weight
+    if need.linear.weight:
+        grads["linear_weight"] = grad_y.t() @ x
+    if need.linear.bias:
+        grads["linear_bias"] = _linear_bias_grad(ctx, grad_y)
+    if need.scale_before.tensor:
+        grads["scale_before_tensor"] = _scale_grad(ctx, s1, grad_z, y, g_hat, sum_g_xhat, invstd)
+    if need.batch_norm.weight:
+        grads["batch_norm_weight"] = (g * x_hat).sum(0).to(bn_weight.dtype)
+    if need.batch_norm.bias:
+        grads["batch_norm_bias"] = g.sum(0).to(bn_bias.dtype)
+    return gradients_in_op_order(grads)
+
+
+def _linear_bias_grad(ctx, grad_y: Tensor) -> Tensor:
+    if ctx.training:
+        # Batch normalization subtracts the batch mean, so a bias shift has no effect at all: the
+        # gradient is exactly zero (eager's column sum of grad_y returns only rounding noise).
+        return grad_y.new_zeros(grad_y.shape[1], dtype=ctx.bias_dtype)
+    return grad_y.float().sum(0).to(ctx.bias_dtype)
+
+
+def _scale_grad(ctx, scale: Scale, grad_z: Tensor, y: Tensor, g_hat: Tensor, sum_g_xhat: Tensor,
+                invstd: Tensor) -> Tensor:
+    if not ctx.training:
+        return _reduce_to((grad_z * y).sum(0), scale.tensor)
+    s = scale.factor()
+    # Scaling a feature changes its normalized value only through eps, so the direct sum(grad_z * y)
+    # cancels almost completely. Its exact value, sum(g_hat * x_hat) * eps * invstd^2 / s, does not
+    # (derivation: sum(grad_z) = sum(x_hat) = 0 and mean(x_hat^2) = var * invstd^2).
+    closed_form = sum_g_xhat * ctx.eps * invstd * invstd / s
+    # At s == 0, x_hat is 0 and the gradient is invstd * sum((g_hat - mean(g_hat)) * y): the co-moment of
+    # g_hat and y. It is taken from column sums of the same kind as sum_g_xhat, which the compiled
+    # backward makes in the same reduction (the direct form needs a second pass over an (N, F) grad_z):
+    # in float64, where products of fp32 values are exact, and shifted by the first row, so that a
+    # constant g_hat gives exactly 0.
+    g64, y64 = g_hat.double(), y.double()
+    dg, dy = g64 - g64[:1], y64 - y64[:1]
+    co_moment = ((dg * dy).sum(0) - dg.sum(0) * (dy.sum(0) / y.shape[0])).float()
+    return _reduce_to(torch.where(s != 0, closed_form, invstd * co_moment), scale.tensor)
+
+
+def _reduce_to(grad: Tensor, scale: Optional[Tensor]) -> Tensor:
+    """Sums a broadcast gradient down to the scale's shape. A one-element scale sums everything:
+    that single reduction accumulates in float64, cheaply and as exactly as it can."""
+    if scale.numel() == 1:
+        return grad.double().sum().reshape(scale.shape).to(scale.dtype)
+    return grad.sum_to_size(scale.shape).to(scale.dtype)

@@ -1,0 +1,172 @@
+"""Which CUDA implementation runs a call of the fused op: the candidates for its problem (GEMM precision,
+Triton tile configs, cuBLAS), and the choice among them, by timing (tuning.py) or from memory.
+
+A choice depends on the problem only (`ChoiceKey`: shapes, dtypes, precision, which steps are present,
+traced or not), so it is made once per problem and process, and cached on disk across processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from fusepass.lowering import gemm
+from fusepass.lowering.implementations import on_cublas, on_triton_gemm
+from fusepass.lowering.launch import real_tensors
+from fusepass.lowering.schema import ChainArgs, ChainOutputs, flatten, unflatten
+from fusepass.lowering.tuning import TUNER, capturing
+
+OP_NAME = "fusepass::linear_scale_batch_norm"
+TRITON_GEMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+Implementation = Callable[[ChainArgs], ChainOutputs]
+
+
+def matmul_precision(dtype: torch.dtype, fp32_matmul: str) -> str:
+    """The GEMM precision for this call: bf16/fp16 natively; fp32 as the user allows it (TF32 when
+    torch allows TF32, as eager), else fp32-accurate 3xTF32, or IEEE FMA when asked for."""
+    if dtype != torch.float32:
+        return "native"
+    if fp32_matmul == "ieee":
+        return "ieee"
+    if torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "tf32x3"
+
+
+def gemm_choice(args: ChainArgs) -> str:
+    """The kernel option `gemm`, except that dtypes the Triton GEMM lacks go to cuBLAS."""
+    x, weight = args.linear.x, args.linear.weight
+    if x.dtype not in TRITON_GEMM_DTYPES or weight.dtype != x.dtype:
+        return "cublas"
+    return args.kernel.gemm
+
+
+def implementations(args: ChainArgs, precision: str, traced: bool = False) -> dict[str, Implementation]:
+    """Every way to run the op for these arguments, by name, the default first. Plain fp32 FMA ("ieee")
+    is cuBLAS's alone, whatever the gemm option says, and so are problems too large for the GEMM
+    kernel's 32-bit offsets. TMA tile configs are offered where the operands allow descriptors.
+    `traced`: only those that can run inside Inductor's graph (may be none; see _cublas_traceable)."""
+    x, weight = args.linear.x, args.linear.weight
+    choice = gemm_choice(args)
+    candidates = {}
+    if choice in ("auto", "triton") and precision != "ieee" and _fits_int32_offsets(x, weight.shape[0]):
+        precisions = [precision] + ([_pre_split_precision(x, weight)] if precision == "tf32x3" else [])
+        # Traced, no TMA configs: torch does not capture TMA descriptors when it traces a wrap_triton
+        # launch outside Dynamo ("not yet supported", torch 2.13's triton_kernel_wrap.py), and the
+        # operands' addresses (so their alignment) are not known yet.
+        tma = not traced and gemm.tma_usable(x, weight)
+        for p in precisions:
+            for config in gemm.gemm_configs(p, x.dtype):
+                if tma or not config.tma:
+                    candidates[f"triton {p} {config.describe()}"] = functools.partial(
+                        on_triton_gemm, precision=p, config=config)
+    if (choice in ("auto", "cublas") or not candidates) and (not traced or _cublas_traceable(precision)):
+        candidates["cublas"] = functools.partial(on_cublas, precision=precision)
+    return candidates
+
+
+def _pre_split_precision(x: Tensor, weight: Tensor) -> str:
+    """3xTF32 with the smaller operand split into tf32 hi + lo in memory, once per call (splitting the
+    other, larger one cost up to 13% of the GEMM: 0.20 ms for W at 1024 x 8192 -> 8192 on an H200)."""
+    return "split_x" if x.numel() < weight.numel() else "split_w"
+
+
+def _cublas_traceable(precision: str) -> bool:
+    """A traced F.linear becomes Inductor's matmul, which follows torch's global TF32 flag when it runs:
+    right only where that flag already gives the precision asked for."""
+    return precision == "native" or torch.backends.cuda.matmul.allow_tf32 == (precision == "tf32")
+
+
+def _fits_int32_offsets(x: Tensor, n_features: int) -> bool:
+    """The GEMM kernel computes element offsets in int32."""
+    limit = 2**31 - 1
+    return x.numel() <= limit and x.shape[0] * n_features <= limit and x.shape[1] * n_features <= limit
+
+
+class ChoiceKey(NamedTuple):
+    """What the choice of implementation depends on: the per-process table's key, and (described) the
+    tuner's."""
+    n: int
+    k: int
+    f: int
+    dtype: torch.dtype
+    device: torch.device
+    precision: str
+    gemm: str
+    training: bool
+    softmax: bool
+    save_linear_out: bool
+    out_dtype: torch.dtype
+    has_bias: bool
+    scale_modes: tuple[int, int]
+    affine: tuple[bool, bool]
+    running: bool
+    traced: bool
+
+    @classmethod
+    def of(cls, args: ChainArgs, precision: str, traced: bool) -> "ChoiceKey":
+        x, bn = args.linear.x, args.batch_norm
+        return cls(x.shape[0], x.shape[1], args.n_features, x.dtype, x.device, precision, gemm_choice(args),
+                   bn.training, args.softmax, args.save_linear_out, args.out_dtype, args.linear.bias is not None,
+                   (args.scale_before.mode, args.scale_after.mode), (bn.weight is not None, bn.bias is not None),
+                   bn.running_mean is not None, traced)
+
+    def describe(self) -> str:
+        """The tuner's key (the device is in the tuner's own part of it)."""
+        return (f"{OP_NAME} {self.n}x{self.k}->{self.f} {self.dtype} {self.precision} gemm={self.gemm} "
+                f"train={self.training} softmax={self.softmax} keep={self.save_linear_out} out={self.out_dtype} "
+                f"bias={self.has_bias} scale={self.scale_modes[0]},{self.scale_modes[1]} "
+                f"affine={self.affine[0]},{self.affine[1]} running={self.running}" + (" traced" if self.traced else ""))
+
+
+_CHOSEN: dict[ChoiceKey, Optional[Implementation]] = {}
+_NOT_CHOSEN = object()
+
+
+def choose_implementation(args: ChainArgs, traced: bool = False) -> Optional[Implementation]:
+    """The implementation for these arguments: from a per-process table (this runs on every call),
+    else from the tuner (timing, or its disk cache). `traced`: args are fake (the op is being traced
+    for Inductor); candidates are timed on random stand-ins of the same shapes, and there may be none."""
+    precision = matmul_precision(args.linear.x.dtype, args.kernel.fp32_matmul)
+    key = ChoiceKey.of(args, precision, traced)
+    chosen = _CHOSEN.get(key, _NOT_CHOSEN)
+    if chosen is not _NOT_CHOSEN:
+        return chosen
+    candidates = implementations(args, precision, traced)
+    chosen = None
+    if candidates:
+        # Traced, the candidates run for real, on stand-ins made once (only if one must be timed).
+        timed_args = functools.cache(lambda: stand_ins(args)) if traced else (lambda: args)
+        with real_tensors() if traced else contextlib.nullcontext():
+            name = TUNER.choose(key.describe(), args.linear.x.device,
+                                {name: _runner(run, timed_args) for name, run in candidates.items()})
+        chosen = candidates[name]
+    if not capturing(args.linear.x.device):  # a choice made during a CUDA graph capture was not timed
+        _CHOSEN[key] = chosen
+    return chosen
+
+
+def _runner(run: Implementation, timed_args: Callable[[], ChainArgs]) -> Callable[[], ChainOutputs]:
+    return lambda: run(timed_args())
+
+
+def stand_ins(args: ChainArgs) -> ChainArgs:
+    """Real tensors shaped like args' (fake) ones, with values of the kind they hold, for timing."""
+    def real(t):
+        if not isinstance(t, Tensor):
+            return t
+        return torch.randn(tuple(t.shape), dtype=t.dtype, device=t.device)
+    real_args = unflatten(real(a) for a in flatten(args))
+    bn = real_args.batch_norm
+    if bn.running_var is not None:  # a variance is positive
+        bn = dataclasses.replace(bn, running_var=bn.running_var.abs() + 0.5)
+    return dataclasses.replace(real_args, batch_norm=bn)
+
+
+def static_shapes(args: ChainArgs) -> bool:
+    return all(isinstance(size, int) for a in flatten(args) if isinstance(a, Tensor) for size in a.shape)

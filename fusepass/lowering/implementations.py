@@ -1,0 +1,75 @@
+"""The fused op's two CUDA implementations. Both return the op's outputs; they differ in the GEMM.
+
+- `on_triton_gemm`: fusepass's Triton GEMM (gemm.py) with the statistics (training) or the whole
+  eval-mode normalization in its epilogue, then the passes after it (passes.py) where still needed.
+- `on_cublas`: cuBLAS's GEMM (F.linear, as eager), then every pass after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fusepass.lowering import gemm
+from fusepass.lowering.launch import tracing
+from fusepass.lowering.passes import Partials, Statistics, normalize_linear_output, normalize_training, output_pass
+from fusepass.lowering.schema import ChainArgs, ChainOutputs
+
+
+def on_triton_gemm(args: ChainArgs, precision: str, config: gemm.GemmConfig) -> ChainOutputs:
+    """Training: GEMM and output pass (with a finalize launch between them when the row tiles are
+    many). Eval: the GEMM alone, or GEMM and the softmax pass."""
+    args.validate()
+    bn = args.batch_norm
+    stats = Statistics.allocate(args.n_features, args.linear.x.device, bn)
+    run = dict(precision=precision, config=config, scale_before=args.scale_before)
+    if bn.training:
+        g = gemm.run_gemm(args.linear, epilogue=gemm.EPILOGUE_STATISTICS.value, **run)
+        out = _output_buffer(g.y, args)
+        normalize_training(g.y, Partials(g.part_mean, g.part_m2, g.rows_per_part), stats, args, out)
+    elif args.softmax:
+        eval_norm = gemm.EvalNormalization(bn, stats.mean, stats.invstd)
+        g = gemm.run_gemm(args.linear, epilogue=gemm.EPILOGUE_LINEAR.value, eval_norm=eval_norm, **run)
+        out = output_pass(g.y, args, stats, _output_buffer(g.y, args))
+    else:
+        eval_norm = gemm.EvalNormalization(bn, stats.mean, stats.invstd, args.scale_after, args.out_dtype)
+        g = gemm.run_gemm(args.linear, epilogue=gemm.EPILOGUE_NORMALIZE.value, store_y=args.save_linear_out,
+                          eval_norm=eval_norm, **run)
+        out = g.out
+    return _outputs(args, out, stats, g.y)
+
+
+def on_cublas(args: ChainArgs, precision: str) -> ChainOutputs:
+    lin = args.linear
+    with _cublas_precision(precision):
+        y = F.linear(lin.x, lin.weight, lin.bias)
+    out, stats = normalize_linear_output(y, args, out=_output_buffer(y, args))
+    return _outputs(args, out, stats, y)
+
+
+def _outputs(args: ChainArgs, out: Tensor, stats: Statistics, y: Tensor) -> ChainOutputs:
+    linear_out = y if args.save_linear_out else y.new_empty(0)
+    return ChainOutputs(out, stats.new_mean, stats.new_var, linear_out, stats.mean, stats.invstd)
+
+
+def _output_buffer(y: Tensor, args: ChainArgs) -> Tensor:
+    """Where the output goes: over y when y is not returned (saves an (N, F) buffer), else a new tensor.
+    Not over y while traced: Inductor then copies y into a new buffer for the pass to write (seen in
+    its generated code: one more launch and a copy of y, no memory saved)."""
+    if not args.save_linear_out and y.dtype == args.out_dtype and y.is_contiguous() and not tracing():
+        return y
+    return torch.empty(y.shape, device=y.device, dtype=args.out_dtype)
+
+
+@contextlib.contextmanager
+def _cublas_precision(precision: str):
+    """cuBLAS follows torch's global TF32 flag; the op's fp32 precision was resolved already."""
+    allow = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow

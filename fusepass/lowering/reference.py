@@ -1,0 +1,66 @@
+"""The fused op's math in plain PyTorch: its CPU implementation, and what its kernels compute.
+
+    y   = linear(x, W, b)                              # in x's dtype, like eager
+    z   = y * s1
+    u   = ((z - mean) * invstd * gamma + beta) * s2    # batch statistics (training) or running ones (eval)
+    out = softmax(u, dim=-1)  or  u                    # max-subtracted, fp32
+
+In training the running statistics get the momentum update with the unbiased variance. Everything after
+the linear runs in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs
+
+
+def reference(args: ChainArgs) -> ChainOutputs:
+    args.validate()
+    lin, bn = args.linear, args.batch_norm
+    y = F.linear(lin.x, lin.weight, lin.bias)
+    z = y.float() * args.scale_before.factor()
+    if bn.training:
+        var, mean = torch.var_mean(z, dim=0, correction=0)
+    else:
+        # Copies: an op's outputs must not alias its inputs.
+        mean, var = bn.running_mean.to(torch.float32, copy=True), bn.running_var.to(torch.float32, copy=True)
+    invstd = 1.0 / torch.sqrt(var + bn.eps)
+    out = affine((z - mean) * invstd, bn) * args.scale_after.factor()
+    if args.softmax:
+        out = torch.softmax(out, dim=-1)
+    new_mean, new_var = updated_running_stats(bn, z.shape[0], mean, var)
+    linear_out = y if args.save_linear_out else y.new_empty(0)
+    return ChainOutputs(out.to(args.out_dtype), new_mean, new_var, linear_out, mean, invstd)
+
+
+def affine(x_hat: Tensor, bn: BatchNorm) -> Tensor:
+    """x_hat * gamma + beta, each where present."""
+    if bn.weight is not None:
+        x_hat = x_hat * bn.weight.float()
+    if bn.bias is not None:
+        x_hat = x_hat + bn.bias.float()
+    return x_hat
+
+
+def running_stats_dtype(bn: BatchNorm) -> torch.dtype:
+    return bn.running_mean.dtype if bn.running_mean is not None else torch.float32
+
+
+def new_running_stat_shape(bn: BatchNorm, running: Optional[Tensor]) -> tuple[int, ...]:
+    return tuple(running.shape) if bn.training and running is not None else (0,)
+
+
+def updated_running_stats(bn: BatchNorm, n: int, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
+    if not bn.updates_running_stats:
+        dtype = running_stats_dtype(bn)
+        return mean.new_empty(0, dtype=dtype), mean.new_empty(0, dtype=dtype)
+    unbiased_var = var * (n / (n - 1))
+    new_mean = bn.momentum * mean + (1.0 - bn.momentum) * bn.running_mean.float()
+    new_var = bn.momentum * unbiased_var + (1.0 - bn.momentum) * bn.running_var.float()
+    return new_mean.to(bn.running_mean.dtype), new_var.to(bn.running_var.dtype)

@@ -1,0 +1,182 @@
+"""The fused op's arguments and outputs, described once.
+
+`ChainArgs` is the op's signature: one group per step of the chain
+`linear -> [* scale_before] -> batch_norm -> [* scale_after] -> [softmax]`, plus what the op returns
+and how it runs. The op's registered schema, the fake, the reference, the implementations, the
+autograd context and the graph rewrite all take their arguments from it, by name. Adding a step to the
+chain means adding a group here: the schema follows.
+
+The op itself takes the groups flattened, in field order (`flatten` / `unflatten`), named
+`<group>_<field>` (`linear_x`, `scale_before_tensor`, ...): torch.library schemas hold no structures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from dataclasses import dataclass
+from typing import Any, Iterator, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from fusepass.lowering.tiles import scale_mode
+
+FP32_MATMUL = ("tf32x3", "ieee")
+GEMM_CHOICES = ("auto", "triton", "cublas")
+
+
+@dataclass(frozen=True)
+class Linear:
+    x: Tensor  # (N, K)
+    weight: Tensor  # (F, K)
+    bias: Optional[Tensor]  # (F,)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A multiply step: by a tensor of shape (F,), (1,) or (), or by a Python number. An absent step is
+    the number 1.0."""
+    tensor: Optional[Tensor] = None
+    value: float = 1.0
+
+    @property
+    def mode(self) -> int:
+        """How the kernels read it (tiles.SCALE_NUMBER / SCALE_SINGLE / SCALE_PER_FEATURE)."""
+        return scale_mode(self.tensor)
+
+    def factor(self):
+        """The scale as PyTorch math multiplies by it, in fp32."""
+        return self.tensor.float() if self.tensor is not None else self.value
+
+
+@dataclass(frozen=True)
+class BatchNorm:
+    weight: Optional[Tensor]  # gamma
+    bias: Optional[Tensor]  # beta
+    running_mean: Optional[Tensor]
+    running_var: Optional[Tensor]
+    training: bool
+    momentum: float
+    eps: float
+
+    @property
+    def updates_running_stats(self) -> bool:
+        return self.training and self.running_mean is not None
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """How the CUDA implementation runs (the backend's options `fp32_matmul` and `gemm`)."""
+    fp32_matmul: str = "tf32x3"  # "tf32x3" (fp32-accurate on tensor cores) or "ieee" (plain fp32 FMA)
+    gemm: str = "auto"  # "auto" (time the implementations), "triton" or "cublas"
+
+    def validate(self) -> None:
+        for key, value, valid in (("fp32_matmul", self.fp32_matmul, FP32_MATMUL), ("gemm", self.gemm, GEMM_CHOICES)):
+            if value not in valid:
+                raise ValueError(f"fusepass: {key} must be one of {valid}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ChainArgs:
+    linear: Linear
+    scale_before: Scale
+    batch_norm: BatchNorm
+    scale_after: Scale
+    softmax: bool  # softmax over the features, max-subtracted, in fp32
+    out_dtype: torch.dtype
+    save_linear_out: bool  # also return the linear output: the backward needs it
+    kernel: Kernel
+
+    def validate(self) -> None:
+        """The checks eager makes (with eager's messages) and the kernel options'."""
+        self.kernel.validate()
+        if self.batch_norm.training and self.linear.x.shape[0] == 1:
+            raise ValueError("Expected more than 1 value per channel when training, got input size "
+                             f"{torch.Size((1, self.linear.weight.shape[0]))}")
+        if not self.batch_norm.training and self.batch_norm.running_mean is None:
+            raise ValueError("batch_norm in eval mode needs running statistics")
+
+    @property
+    def n_features(self) -> int:
+        return self.linear.weight.shape[0]
+
+
+class ChainOutputs(NamedTuple):
+    out: Tensor  # the chain's result, in out_dtype
+    new_running_mean: Tensor  # empty unless the batch norm updates running statistics
+    new_running_var: Tensor
+    linear_out: Tensor  # empty unless save_linear_out
+    mean: Tensor  # fp32 (F,): the statistics the output was normalized with
+    invstd: Tensor
+
+
+# --------------------------------------------------------------------------- flattening
+
+
+def _fields(cls) -> list[tuple[str, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def flat_fields(cls=ChainArgs, prefix: str = "") -> list[tuple[str, Any]]:
+    """(op argument name, type) of every leaf of `cls`, in the op's order."""
+    leaves = []
+    for name, hint in _fields(cls):
+        if dataclasses.is_dataclass(hint):
+            leaves += flat_fields(hint, f"{prefix}{name}_")
+        else:
+            leaves.append((prefix + name, hint))
+    return leaves
+
+
+def flatten(args: ChainArgs) -> tuple:
+    """The op's positional arguments for `args` (tensors, numbers, or FX nodes standing for them)."""
+    values = []
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        values += flatten(value) if dataclasses.is_dataclass(value) else [value]
+    return tuple(values)
+
+
+def unflatten(values, cls=ChainArgs):
+    """`cls` from the op's positional arguments (or anything else laid out the same way, such as
+    autograd's needs_input_grad)."""
+    return _unflatten(iter(values), cls)
+
+
+def _unflatten(values: Iterator, cls):
+    return cls(**{name: _unflatten(values, hint) if dataclasses.is_dataclass(hint) else next(values)
+                  for name, hint in _fields(cls)})
+
+
+FLAT_NAMES = tuple(name for name, _ in flat_fields())
+
+
+def gradients_in_op_order(grads: dict[str, Optional[Tensor]]) -> tuple:
+    """Autograd's tuple of input gradients from {op argument name: gradient}; None for the rest."""
+    unknown = set(grads) - set(FLAT_NAMES)
+    if unknown:
+        raise KeyError(f"not arguments of the fused op: {sorted(unknown)}")
+    return tuple(grads.get(name) for name in FLAT_NAMES)
+
+
+def with_op_signature(fn):
+    """Gives `fn(*args)` the op's signature, so that torch.library infers the schema from ChainArgs."""
+    parameters = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hint)
+                  for name, hint in flat_fields()]
+    fn.__signature__ = inspect.Signature(parameters, return_annotation=tuple[(Tensor,) * len(ChainOutputs._fields)])
+    fn.__annotations__ = {**{name: hint for name, hint in flat_fields()}, "return": fn.__signature__.return_annotation}
+    return fn
+
+
+def bind(args: tuple, kwargs: dict) -> ChainArgs:
+    """ChainArgs from a call of a function that has the op's signature."""
+    if kwargs:
+        positions = {name: i for i, name in enumerate(FLAT_NAMES)}
+        values = list(args) + [None] * (len(FLAT_NAMES) - len(args))
+        for name, value in kwargs.items():
+            values[positions[name]] = value
+        args = tuple(values)
+    return unflatten(args)

@@ -1,0 +1,145 @@
+"""The Triton passes after a GEMM (under TRITON_INTERPRET=1 on CPU, natively on CUDA), on a given linear
+output y, against the unfused chain in eager and in float64 (tests/lowering/cases.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusepass.lowering import passes
+from fusepass.lowering.schema import ChainOutputs
+from tests.chains import assert_no_further_from_float64
+from tests.lowering.cases import (HALF_DTYPES, KERNEL_DEVICE, SCALE_KINDS, assert_like_eager, make_args,
+                                  record_launches, unfused)
+
+
+def run_passes(args, y=None):
+    """The passes on y (default: eager's linear output), as the op's outputs."""
+    if y is None:
+        y = F.linear(args.linear.x, args.linear.weight, args.linear.bias)
+    out, stats = passes.normalize_linear_output(y, args)
+    return y, ChainOutputs(out, stats.new_mean, stats.new_var, y.new_empty(0), stats.mean, stats.invstd)
+
+
+@pytest.mark.parametrize("n, k, f", [(37, 23, 19), (2, 5, 3), (130, 17, 67), (2100, 3, 5)])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("scale", SCALE_KINDS)
+def test_passes_match_eager_by_float64(n, k, f, training, scale):
+    args = make_args(n, k, f, scale=scale, training=training, momentum=0.3)
+    y, fused = run_passes(args)
+    assert_like_eager(fused, args, y)
+    assert fused.new_running_mean.numel() == (f if training else 0)
+
+
+@pytest.mark.parametrize("affine, running", [(False, True), (True, False), (False, False)])
+def test_passes_without_affine_or_running_stats(affine, running):
+    args = make_args(45, 11, 13, affine=affine, running=running)
+    y, fused = run_passes(args)
+    assert_like_eager(fused, args, y)
+    assert fused.new_running_mean.numel() == (13 if running else 0)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("momentum", [0.1, 1.0])
+def test_low_precision_input_fp32_statistics(dtype, momentum):
+    """Statistics in fp32 whatever y's dtype; running statistics in their own dtype. A small batch and
+    momentum 1.0 make the running variance the batch's unbiased variance alone, so that the unbiasing
+    factor (here 6/5) is far above bf16's rounding."""
+    args = make_args(6, 9, 21, dtype=dtype, momentum=momentum)
+    y, fused = run_passes(args)
+    assert fused.out.dtype == dtype and fused.new_running_mean.dtype == dtype and fused.mean.dtype == torch.float32
+    assert_like_eager(fused, args, y)
+
+
+def test_statistics_are_stable_for_large_means():
+    """Columns with mean 1e4 and std 1: E[z^2] - E[z]^2 in fp32 would lose every digit. Seeded: the fp32
+    row-tile means (~1e4, rounding 5e-4) enter Chan's merge, so invstd lands 2.5e-5 to 8e-5 from exact
+    over seeds 0-11; the bound below holds for every seed tried."""
+    n, f = 1000, 6
+    g = torch.Generator().manual_seed(0)
+    y = (torch.randn(n, f, dtype=torch.float64, generator=g) + 1e4).float().to(KERNEL_DEVICE)
+    args = make_args(n, 3, f, scale=None, affine=False, running=False)
+    _, stats = passes.normalize_linear_output(y, args)
+    exact_invstd = 1.0 / torch.sqrt(y.double().var(0, unbiased=False) + 1e-5)
+    assert torch.allclose(stats.mean.double(), y.double().mean(0), rtol=4 * 2.0**-23, atol=0)  # a few fp32 ulps
+    assert torch.allclose(stats.invstd.double(), exact_invstd, rtol=1e-4, atol=0)
+
+
+def test_nan_propagates_like_eager():
+    args = make_args(20, 5, 4)
+    y = F.linear(args.linear.x, args.linear.weight, args.linear.bias)
+    y[3, 1] = float("nan")
+    out, _ = passes.normalize_linear_output(y, args)
+    assert torch.isnan(out[:, 1]).all() and torch.isfinite(out[:, [0, 2, 3]]).all()
+
+
+@pytest.mark.parametrize("n, k, f", [(37, 23, 19), (6, 4, 8200), (130, 17, 1030)])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("scale_after", ["single", "per_feature", "number"])
+@pytest.mark.parametrize("softmax", [True, False])
+def test_tail_passes_match_eager_by_float64(n, k, f, training, scale_after, softmax):
+    """The post-BN scale and the softmax. Rows longer than one block (8200 > 8192 columns) take several
+    online-softmax sweeps; in eval the logits reach |u| ~ 200 here, where any fp32 rounding of u moves
+    the softmax by ~|u| ulps."""
+    args = make_args(n, k, f, scale="number", scale_after=scale_after, softmax=softmax, training=training)
+    y, fused = run_passes(args)
+    assert_like_eager(fused, args, y)
+    if softmax:
+        torch.testing.assert_close(fused.out.double().sum(1), torch.ones(n, dtype=torch.float64, device=y.device),
+                                   rtol=1e-5, atol=0)  # fp32 probabilities
+
+
+@pytest.mark.parametrize("merge", [True, False])
+@pytest.mark.parametrize("softmax", [True, False])
+@pytest.mark.parametrize("training, running", [(True, True), (True, False), (False, True)])
+def test_statistics_in_the_output_pass_or_in_a_finalize_launch(monkeypatch, merge, softmax, training, running):
+    """The output pass computes the statistics itself (one launch fewer): training merges the strips'
+    statistics, eval reads the running ones; or it reads what a finalize launch computed. 70 rows make
+    three strips; 300 features make several column blocks, the softmax's included."""
+    monkeypatch.setattr(passes, "merges_in_output_pass", lambda *args: merge)
+    launched = record_launches(monkeypatch)
+    args = make_args(70, 9, 300, running=running, training=training, scale="number", scale_after="number",
+                     softmax=softmax, momentum=0.2)
+    y, fused = run_passes(args)
+    output_kernel = "_normalize_softmax_kernel" if softmax else "_normalize_kernel"
+    assert launched == (["_partial_stats_kernel"] if training else []) + \
+        ([] if merge else ["_finalize_stats_kernel"]) + [output_kernel]
+    assert_like_eager(fused, args, y)
+    assert fused.new_running_mean.numel() == (300 if training and running else 0)
+
+
+def test_output_pass_merges_only_few_partials():
+    """Small problems merge in the output pass (at most two launches with the GEMM); large ones, whose
+    every output program would re-read many partials, keep the finalize launch."""
+    assert passes.merges_in_output_pass(128, 512, 1, 4, softmax=True)
+    assert passes.merges_in_output_pass(1024, 8192, 8, 2, softmax=False)
+    assert not passes.merges_in_output_pass(1024, 8192, 8, 2, softmax=True)
+    assert not passes.merges_in_output_pass(16384, 4096, 128, 4, softmax=False)
+
+
+@pytest.mark.parametrize("value", [float("-inf"), float("inf"), float("nan")])
+def test_softmax_non_finite_like_eager(value):
+    """Eval mode (running statistics stay finite): a row holding -inf, +inf or NaN behaves as eager's
+    softmax does; a row that is -inf throughout is NaN in eager, and here."""
+    args = make_args(5, 3, 1500, scale="number", softmax=True, training=False)
+    y = F.linear(args.linear.x, args.linear.weight, args.linear.bias)
+    y[1, 7] = value
+    y[3, :] = float("-inf")
+    out, _ = passes.normalize_linear_output(y, args)
+    expected, exact = unfused(args, y).out, unfused(args, y, torch.float64).out
+    assert torch.equal(torch.isnan(out), torch.isnan(expected))
+    assert torch.isnan(out[3]).all()
+    finite = [0, 2, 4]
+    assert_no_further_from_float64("finite rows", out[finite], expected[finite], exact[finite])
+
+
+def test_softmax_launch_configuration_is_a_public_choice():
+    """tools/tune_softmax.py sweeps launch configurations through output_pass: each gives the same rows."""
+    args = make_args(9, 4, 700, scale="number", softmax=True, training=False)
+    y = F.linear(args.linear.x, args.linear.weight, args.linear.bias)
+    stats = passes.Statistics.allocate(700, y.device, args.batch_norm)
+    stats.source = passes.STATS_RUNNING.value
+    results = [passes.output_pass(y, args, stats, torch.empty_like(y), passes.SoftmaxLaunch(block_r, block_c, warps))
+               for block_r, block_c, warps in ((1, 256, 4), (2, 1024, None), (4, 2048, 8))]
+    for out in results[1:]:
+        torch.testing.assert_close(out, results[0], rtol=1e-6, atol=1e-7)
+    assert_no_further_from_float64("output", results[0], unfused(args, y).out, unfused(args, y, torch.float64).out)
