@@ -13,24 +13,22 @@ import triton
 from tabulate import tabulate
 
 from fusepass.lowering import gemm
+from fusepass.lowering.schema import Linear, Scale
+from fusepass.numerics import rel_error
 
-# Tried besides the candidates, to see whether the candidate list should change. Earlier runs tried
-# 128x256x32 w8 s3, 128x128x32 w8 s4, 256x128x32 w8 s3, 64x128x64 w4 s2, 64x128x32 w4 s4, 64x64x32 w4 s4
-# (benchmarks/issue5/). These are the one-warpgroup tiles that came closest for split_w (64x128x32 and
-# 128x64x32 w4 s3: two or three programs per SM, whose split and tensor-core phases could overlap)
-# and a two-stage 128x128x64.
+# Timed besides the candidates, to see whether the candidate list should change: the one-warpgroup
+# tiles that came closest for split_w (64x128x32 and 128x64x32 w4 s3: two or three programs per SM,
+# whose split and tensor-core phases could overlap) and a two-stage 128x128x64. BENCHMARKS.md's "Tried
+# and rejected" lists the other shapes measured.
 EXTRA_CONFIGS = [gemm.GemmConfig(64, 128, 32, 8, 4, 3), gemm.GemmConfig(128, 64, 32, 8, 4, 3),
                  gemm.GemmConfig(128, 128, 64, 8, 8, 2)]
 SHAPES = [(16384, 4096, 4096), (1024, 8192, 8192), (128, 1024, 512)]
 
 
-def rel_error(value: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((value.double() - ref).norm() / ref.norm()).item()
-
-
 def run_case(m, k, n, dtype, precision, config, x, w, b, s, ref):
     def call():
-        return gemm.linear_epilogue(x, w, b, precision, config, epilogue=gemm.STATISTICS, scale=s)
+        return gemm.run_gemm(Linear(x, w, b), precision, config, epilogue=gemm.EPILOGUE_STATISTICS.value,
+                             scale_before=Scale(s))
 
     y = call().y
     ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
@@ -39,7 +37,7 @@ def run_case(m, k, n, dtype, precision, config, x, w, b, s, ref):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
     parser.add_argument("--quick", action="store_true", help="first two configs only")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="the first this many shapes")
