@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import fusepass
-from fusepass.problems import load_problem, problem_sizes
+from fusepass.problems import load_problem, problem_size
 
 PROBLEMS = Path(__file__).parent / "problems"
 
@@ -19,9 +19,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--problem", default="gemm_batchnorm_scale_softmax")
     args = parser.parse_args()
-    problem = load_problem(PROBLEMS / f"{args.problem}.py")
-    init, batch = problem_sizes(problem, (64, 128, 96))  # matching does not depend on size
-    model, x = problem.Model(*init), torch.rand(batch, init[0])
+    problem = load_problem(PROBLEMS / f"{args.problem}.py", (64, 128, 96))  # matching does not depend on size
+    batch, in_features, _ = problem_size(problem)
+    model, x = problem.Model(*problem.get_init_inputs()), torch.rand(batch, in_features)
 
     print("fusepass.explain(model, x):\n")
     print(fusepass.explain(model, x))

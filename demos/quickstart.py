@@ -15,14 +15,11 @@ import torch
 from tabulate import tabulate
 
 import fusepass
-from fusepass.problems import load_problem, problem_sizes
+from fusepass.numerics import rel_error
+from fusepass.problems import load_problem, problem_size
 
 PROBLEMS = Path(__file__).parent / "problems"
 CPU_SIZE = (256, 512, 384)  # batch, in_features, out_features when shrunk
-
-
-def rel_error(value, ref):
-    return ((value.double() - ref).norm() / ref.norm()).item()
 
 
 def main():
@@ -32,24 +29,24 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
 
-    problem = load_problem(PROBLEMS / f"{args.problem}.py")
-    init, batch = problem_sizes(problem, CPU_SIZE if args.device == "cpu" else None)
+    problem = load_problem(PROBLEMS / f"{args.problem}.py", CPU_SIZE if args.device == "cpu" else None)
+    batch, in_features, out_features = problem_size(problem)
     if args.device == "cpu":
-        print(f"No GPU in use: {args.problem} shrunk to {batch} x {init[0]} -> {init[1]}.\n")
+        print(f"No GPU in use: {args.problem} shrunk to {batch} x {in_features} -> {out_features}.\n")
 
     torch.manual_seed(0)
-    eager = problem.Model(*init).to(args.device)
+    eager = problem.Model(*problem.get_init_inputs()).to(args.device)
     fused, ref = copy.deepcopy(eager), copy.deepcopy(eager).double()
     compiled = torch.compile(fused, backend="fusepass")
 
-    x = torch.rand(batch, init[0], device=args.device)
+    x = torch.rand(batch, in_features, device=args.device)
     print(fusepass.explain(eager, x), "\n")
 
     rows = []
     for mode in ("train", "eval"):
         for model in (eager, fused, ref):
             model.train(mode == "train")
-        x = torch.rand(batch, init[0], device=args.device)
+        x = torch.rand(batch, in_features, device=args.device)
         outs = {"eager": eager(x), "fusepass": compiled(x), "float64": ref(x.double())}
         upstream = torch.randn_like(outs["float64"])
         for out in outs.values():
