@@ -12,6 +12,13 @@ A provider is wrong when it fails, when its running statistics differ from eager
 to float64 as eager's (fusepass's numerical criterion). The allclose result is shown on its own too:
 at low precision eager itself often fails KernelBench's tolerances. Exit status: 0 all correct, 1 some
 provider wrong, 2 bad input.
+
+Before any provider gets its copy, the model's floating-point parameters and batch-norm running
+statistics are perturbed with seeded noise (perturb_parameters): the reference problems keep
+BatchNorm's weight = 1, bias = 0, running mean 0 and variance 1, and a softmax problem's scale of 1,
+values under which a kernel that drops gamma, beta, the scale or a running statistic gives the
+right answer. A fusepass provider that fell back to the fallback compiler for any graph
+(torch._dynamo.utils.counters["fusepass"]["fallbacks"]) is wrong too: its timing would not be fusepass's.
 """
 
 from __future__ import annotations
@@ -32,10 +39,12 @@ from typing import Any, Callable, Optional
 import torch
 import triton
 from tabulate import tabulate
+from torch._dynamo.utils import counters
 
 from fusepass.lowering.tuning import TUNER
 from fusepass.numerics import no_further_than_eager, rel_error
-from fusepass.problems import load_problem
+from fusepass.problems import MIN_SHRUNK, ProblemSizeError, Size, check_size, load_problem, problem_size, \
+    resize_problem, shrunk_size, sized_name
 
 PROVIDERS = ("eager", "inductor", "fusepass", "max-autotune", "inductor-cudagraphs", "fusepass-cudagraphs")
 PRECISIONS = ("fp32", "tf32", "bf16-autocast", "fp16-autocast")
@@ -45,6 +54,7 @@ DEFAULT_TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "bf16-autocast": 1e-2, "fp16-au
 # drawing inputs replays the weights' uniforms (x[i] = W[i] up to an affine map), which makes y[i, i] a
 # 30-sigma outlier and the softmax one-hot.
 INIT_SEED, INPUT_SEED = 0, 1_000_003
+PERTURB_SEED = 2_000_003
 
 
 class BenchError(Exception):
@@ -53,10 +63,11 @@ class BenchError(Exception):
 
 @dataclass
 class Result:
-    problem: str
+    problem: str  # the file's name, with "@NxKxF" when it ran resized (--size, --shrink)
     mode: str
     precision: str
     provider: str
+    size: Optional[list[int]] = None  # [batch, in_features, out_features] as run: None if the input is not 2-D
     correct: bool = False
     max_abs_error: float = math.nan  # worst over the seeds, to the float64 model
     rel_error: float = math.nan  # worst ||out - ref|| / ||ref|| over the seeds
@@ -72,6 +83,9 @@ class Result:
     peak_mb: float = math.nan
     speedup_vs_eager: Optional[float] = None
     speedup_vs_inductor: Optional[float] = None
+    # what fusepass's backend did while this provider compiled and ran (0 for providers without it)
+    fusepass_rewrites: int = 0
+    fusepass_fallbacks: int = 0
 
 
 @dataclass
@@ -82,6 +96,7 @@ class Config:
     providers: list[str]
     backward: bool
     seeds: int
+    size: Optional[list[int]]
     shrink: int
     atol: Optional[float]
     rtol: Optional[float]
@@ -93,7 +108,9 @@ class Config:
 # --------------------------------------------------------------------------- problems
 
 
-def load(path: str, shrink: int):
+def load(path: str, size: Optional[Size] = None, shrink: int = 1):
+    """The problem file as a module, checked to be a KernelBench problem, at `size` (batch,
+    in_features, out_features; default the file's own) divided by `shrink` (problems.shrunk_size)."""
     if not Path(path).is_file():
         raise BenchError(f"no such problem file: {path}")
     try:
@@ -103,24 +120,60 @@ def load(path: str, shrink: int):
     for name in ("Model", "get_inputs", "get_init_inputs"):
         if not hasattr(module, name):
             raise BenchError(f"{path}: defines no {name} (a KernelBench problem needs Model, get_inputs, get_init_inputs)")
-    if shrink > 1:
-        shrink_sizes(module, shrink)
+    if size is not None or shrink > 1:
+        try:
+            resize_problem(module, shrunk_size(size or problem_size(module), shrink))
+        except ProblemSizeError as exc:
+            raise BenchError(f"{path}: {exc}") from exc
     return module
 
 
-def shrink_sizes(module, factor: int) -> None:
-    """Divides every size the problem file defines (module-level ints > 1, and the ints > 1 in
-    module-level tuples such as a scale shape) by `factor`, at least 1 each."""
-    def smaller(value):
-        return max(1, value // factor) if isinstance(value, int) and not isinstance(value, bool) and value > 1 else value
+def problem_name(path: str, module, resized: bool) -> str:
+    """The file's name; with the size it runs at when resized, so that no two sizes share a name."""
+    name = Path(path).stem
+    return sized_name(name, problem_size(module)) if resized else name
 
-    for name, value in list(vars(module).items()):
-        if name.startswith("_"):
-            continue
-        if isinstance(value, tuple) and all(isinstance(v, int) for v in value):
-            setattr(module, name, tuple(smaller(v) for v in value))
-        else:
-            setattr(module, name, smaller(value))
+
+def perturb_parameters(model: torch.nn.Module, seed: int = PERTURB_SEED) -> torch.nn.Module:
+    """Gives every parameter and batch-norm running statistic a value that a bug cannot hide behind,
+    in place, from a seeded generator of its own (the same model gets the same values on any device;
+    the global random state is not touched). A floating-point parameter or running mean gets Gaussian
+    noise of half its mean magnitude (or of 0.5 where it is all zeros: a bias, BatchNorm's beta); a
+    running variance is multiplied by exp(noise / 2), so it stays positive. Integer buffers (the
+    batch counter) are left alone."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if not tensor.is_floating_point():
+                continue
+            noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32).to(tensor.device, tensor.dtype)
+            if name.endswith("running_var"):
+                tensor.mul_(torch.exp(noise / 2))
+            else:
+                magnitude = tensor.abs().mean().item()
+                tensor.add_(noise * 0.5 * (magnitude if magnitude > 0 else 1.0))
+    return model
+
+
+def build_model(module, mode: str, device: str) -> torch.nn.Module:
+    """The problem's Model as every provider gets it: seeded initialization, perturbed parameters
+    (perturb_parameters), on `device`, in training or eval mode."""
+    torch.manual_seed(INIT_SEED)
+    model = perturb_parameters(module.Model(*module.get_init_inputs()))
+    return model.to(device).train(mode == "train")
+
+
+def problem_inputs(module, device: str, seed: int = INPUT_SEED) -> list:
+    """The problem's get_inputs() drawn under `seed`, on `device`."""
+    torch.manual_seed(seed)
+    return to_device(module.get_inputs(), device)
+
+
+def model_and_inputs(path: str, mode: str, device: str = "cuda",
+                     size: Optional[Size] = None) -> tuple[torch.nn.Module, list]:
+    """A problem file's model (build_model) and inputs (problem_inputs), at `size` if given."""
+    module = load(path, size)
+    return build_model(module, mode, device), problem_inputs(module, device)
 
 
 def to_device(values, device, dtype=None):
@@ -163,6 +216,41 @@ def make_provider(name: str, model: torch.nn.Module) -> Callable:
     raise BenchError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
 
 
+def provider_call(fn: Callable, inputs: list, *, mode: str, precision: str, device: str, backward: bool = False,
+                  upstream: Optional[torch.Tensor] = None) -> Callable[[], torch.Tensor]:
+    """One call of a provider as the benchmark makes it: fn(*inputs) in `precision`, and with
+    `backward` the backward of sum(out * upstream) (upstream 1 if not given). Eval without backward
+    is inference and runs under no_grad; train runs with grad enabled, as a training step's forward does."""
+    grad = backward or mode == "train"
+
+    def call() -> torch.Tensor:
+        with precision_context(precision, device), torch.set_grad_enabled(grad):
+            out = fn(*inputs)
+        if backward:
+            (out.float() * (upstream if upstream is not None else 1.0)).sum().backward()
+        return out
+
+    return call
+
+
+def fusepass_counts() -> tuple[int, int]:
+    """(rewrites, fallbacks) fusepass's backend has counted so far in this process."""
+    stats = counters["fusepass"]
+    return stats["rewrites"], stats["fallbacks"]
+
+
+@contextlib.contextmanager
+def counting_fusepass(result: "Result"):
+    """Adds the rewrites and fallbacks that happen inside to `result`."""
+    rewrites, fallbacks = fusepass_counts()
+    try:
+        yield
+    finally:
+        now_rewrites, now_fallbacks = fusepass_counts()
+        result.fusepass_rewrites += now_rewrites - rewrites
+        result.fusepass_fallbacks += now_fallbacks - fallbacks
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -174,36 +262,29 @@ def sync(device: str) -> None:
 class Run:
     """One problem in one mode and precision: every provider's copy of the model, and the checks."""
 
-    def __init__(self, cfg: Config, path: str, module, mode: str, precision: str):
+    def __init__(self, cfg: Config, name: str, module, mode: str, precision: str):
         self.cfg, self.module, self.mode, self.precision = cfg, module, mode, precision
-        self.name = Path(path).stem
-        torch.manual_seed(INIT_SEED)
-        base = module.Model(*module.get_init_inputs()).to(cfg.device).train(mode == "train")
+        base = build_model(module, mode, cfg.device)
         self.models = {p: copy.deepcopy(base) for p in cfg.providers}
         self.reference = copy.deepcopy(base).double()
         self.fns = {p: make_provider(p, self.models[p]) for p in cfg.providers}
-        self.results = {p: Result(self.name, mode, precision, p) for p in cfg.providers}
+        self.results = {p: Result(name, mode, precision, p) for p in cfg.providers}
         default_tol = DEFAULT_TOLERANCE[precision]
         self.atol = cfg.atol if cfg.atol is not None else default_tol
         self.rtol = cfg.rtol if cfg.rtol is not None else default_tol
 
-    def call(self, provider: str, inputs: list, upstream: Optional[torch.Tensor] = None):
-        """Forward (and with --backward, backward of sum(out * upstream)) of one provider. Eval without
-        --backward is inference and runs under no_grad; train runs with grad enabled, as a training
-        step's forward does."""
-        grad = self.cfg.backward or self.mode == "train"
-        with precision_context(self.precision, self.cfg.device), torch.set_grad_enabled(grad):
-            out = self.fns[provider](*inputs)
-        if self.cfg.backward:
-            (out.float() * (upstream if upstream is not None else 1.0)).sum().backward()
-        return out
+    def provider_call(self, provider: str, inputs: list,
+                      upstream: Optional[torch.Tensor] = None) -> Callable[[], torch.Tensor]:
+        return provider_call(self.fns[provider], inputs, mode=self.mode, precision=self.precision,
+                             device=self.cfg.device, backward=self.cfg.backward, upstream=upstream)
 
     def check(self, progress: Callable[[str], None]) -> None:
         for seed in range(self.cfg.seeds):
-            torch.manual_seed(INPUT_SEED + seed)
-            inputs = to_device(self.module.get_inputs(), self.cfg.device)
+            inputs = problem_inputs(self.module, self.cfg.device, INPUT_SEED + seed)
             with torch.set_grad_enabled(self.cfg.backward or self.mode == "train"):
                 ref_out = self.reference(*to_device(inputs, self.cfg.device, torch.float64))
+            if seed == 0:
+                self._record_size(inputs, ref_out)
             upstream = torch.randn(ref_out.shape, device=self.cfg.device, dtype=torch.float64)
             if self.cfg.backward:
                 (ref_out * upstream).sum().backward()
@@ -219,9 +300,17 @@ class Run:
                 model.zero_grad(set_to_none=True)
         self._verdicts()
 
+    def _record_size(self, inputs: list, out: torch.Tensor) -> None:
+        first = inputs[0] if inputs else None
+        if isinstance(first, torch.Tensor) and first.dim() == 2 and out.dim() == 2:
+            for result in self.results.values():
+                result.size = [*first.shape, out.shape[1]]
+
     def _verdicts(self) -> None:
         eager = self.results["eager"]
         for result in self.results.values():
+            if result.failure is None:
+                result.failure = fallback_failure(result)
             if result.failure is None and not result.allclose and not no_further_than_eager(
                     result.rel_error, eager.rel_error):
                 result.failure = (f"output not allclose to float64 (atol={self.atol:g}, rtol={self.rtol:g}) "
@@ -233,8 +322,9 @@ class Run:
 
     def _check_one(self, provider, result, inputs, ref_out, upstream, first):
         start = time.perf_counter()
-        out = self.call(provider, inputs, upstream)
-        sync(self.cfg.device)
+        with counting_fusepass(result):
+            out = self.provider_call(provider, inputs, upstream)()
+            sync(self.cfg.device)
         if first:
             result.compile_s = time.perf_counter() - start
         diff = (out.double() - ref_out).abs()
@@ -279,22 +369,35 @@ class Run:
                 result.failure = "running statistics further from float64 than eager's"
 
     def time_all(self, progress: Callable[[str], None]) -> None:
-        torch.manual_seed(INPUT_SEED)
-        inputs = to_device(self.module.get_inputs(), self.cfg.device)
+        inputs = problem_inputs(self.module, self.cfg.device)
         for provider, result in self.results.items():
             if not result.correct:
                 continue
             progress(f"{provider}: timing")
-            fn = lambda p=provider: self.call(p, inputs)  # noqa: E731
-            times = measure(fn, self.cfg, list(self.models[provider].parameters()))
+            fn = self.provider_call(provider, inputs)
+            with counting_fusepass(result):
+                times = measure(fn, self.cfg, list(self.models[provider].parameters()))
+                peak_mb = peak_memory_mb(fn, self.cfg.device)
+            result.failure = fallback_failure(result)
+            if result.failure:  # a recompilation while timing fell back
+                result.correct = False
+                continue
             result.median_ms = statistics.median(times)
             result.p20_ms, result.p80_ms = _quantile(times, 0.2), _quantile(times, 0.8)
-            result.peak_mb = peak_memory_mb(fn, self.cfg.device)
+            result.peak_mb = peak_mb
         eager, inductor = self.results.get("eager"), self.results.get("inductor")
         for result in self.results.values():
             if result.correct:
                 result.speedup_vs_eager = _ratio(eager, result)
                 result.speedup_vs_inductor = _ratio(inductor, result)
+
+
+def fallback_failure(result: Result) -> Optional[str]:
+    """A fusepass provider whose graphs fell back ran without (some of) its fused ops."""
+    if result.provider.startswith("fusepass") and result.fusepass_fallbacks:
+        return (f"{result.fusepass_fallbacks} fusepass fallback(s): a graph ran without fused ops, so this "
+                f"provider's speed would not be fusepass's")
+    return None
 
 
 def measure(fn: Callable, cfg: Config, params: list) -> list[float]:
@@ -346,9 +449,11 @@ def _zero_if_nan(value: float) -> float:
 
 
 def run(paths: list[str], cfg: Config, progress: Callable[[str], None]) -> list[Result]:
-    modules = {path: load(path, cfg.shrink) for path in paths}  # bad input fails before any work
+    size = tuple(cfg.size) if cfg.size else None
+    modules = {path: load(path, size, cfg.shrink) for path in paths}  # bad input fails before any work
     for path, module in modules.items():
         check_eager(path, module, cfg.device)
+    resized = size is not None or cfg.shrink > 1
     total = len(paths) * len(cfg.modes) * len(cfg.precisions)
     step = 0
     for path, module in modules.items():
@@ -356,8 +461,9 @@ def run(paths: list[str], cfg: Config, progress: Callable[[str], None]) -> list[
             for precision in cfg.precisions:
                 step += 1
                 torch._dynamo.reset()
-                prefix = f"[{step}/{total}] {Path(path).stem} {mode} {precision}"
-                one = Run(cfg, path, module, mode, precision)
+                name = problem_name(path, module, resized)
+                prefix = f"[{step}/{total}] {name} {mode} {precision}"
+                one = Run(cfg, name, module, mode, precision)
                 started = time.perf_counter()
                 say = lambda text: progress(f"{prefix} {text} ({time.perf_counter() - started:.0f} s)")  # noqa: E731
                 one.check(say)
@@ -402,13 +508,13 @@ def _fmt_ratio(value: Optional[float]) -> str:
     return f"{value:.2f}x" if value is not None else "-"
 
 
-def environment(device: str) -> dict[str, Any]:
+def environment(device: str, argv: list[str]) -> dict[str, Any]:
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["fusepass-bench", *sys.argv[1:]]),
+        "command": " ".join(["fusepass-bench", *argv]),
     }
 
 
@@ -435,9 +541,36 @@ def write_plot(results: list[Result], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """Bad arguments raise BenchError (one line, exit status 2) instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        raise BenchError(message)
+
+
+def parse_size(text: str) -> Size:
+    """"N,K,F" -> (batch, in_features, out_features)."""
+    try:
+        return check_size(int(part) for part in text.split(","))
+    except (ValueError, ProblemSizeError):
+        raise argparse.ArgumentTypeError(
+            f"expected N,K,F (batch,in_features,out_features): three positive integers, not {text!r}") from None
+
+
+def add_problem_arguments(parser: argparse.ArgumentParser, providers: list[str]) -> None:
+    """The arguments of a tool that runs one problem's providers as the benchmark does (model_and_inputs,
+    make_provider, provider_call): PROBLEM.py, --size, --mode, --precision, --backward, --providers."""
+    parser.add_argument("problem", metavar="PROBLEM.py")
+    parser.add_argument("--size", type=parse_size, metavar="N,K,F", help="batch, in_features, out_features")
+    parser.add_argument("--mode", choices=("train", "eval"), default="train")
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16-autocast")
+    parser.add_argument("--backward", action="store_true", help="forward and backward of out.sum()")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=providers)
+
+
 def parse_args(argv: Optional[list[str]] = None) -> tuple[list[str], Config, argparse.Namespace]:
-    parser = argparse.ArgumentParser(prog="fusepass-bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="fusepass-bench", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("problems", nargs="+", metavar="PROBLEM.py")
     parser.add_argument("--mode", nargs="+", choices=("train", "eval"), default=["train"])
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["fp32"])
@@ -446,7 +579,12 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[list[str], Config, arg
                         help="max-autotune is Inductor in mode max-autotune-no-cudagraphs; *-cudagraphs are mode "
                              "reduce-overhead (CUDA graphs); eager always runs")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shrink", type=int, default=1, metavar="F", help="divide every size in the problem by F")
+    parser.add_argument("--size", type=parse_size, metavar="N,K,F",
+                        help="run every problem at batch N, in_features K, out_features F (the file's "
+                             "module-level batch_size, in_features, out_features; what derives from them follows)")
+    parser.add_argument("--shrink", type=int, default=1, metavar="F",
+                        help="divide batch, in_features and out_features (the file's, or --size's) by F, "
+                             f"rounded down but not below {MIN_SHRUNK}: a quick run of the same problem")
     parser.add_argument("--seeds", type=int, default=5, help="fresh input draws for the correctness check")
     parser.add_argument("--atol", type=float, help="allclose atol to float64 (default: 1e-4 fp32, 1e-2 otherwise)")
     parser.add_argument("--rtol", type=float, help="allclose rtol to float64 (default: as --atol)")
@@ -459,16 +597,23 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[list[str], Config, arg
     args.providers = ["eager", *(p for p in args.providers if p != "eager")]
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda, but no CUDA GPU is available (use --device cpu)")
-    if args.shrink < 1 or args.seeds < 1:
-        raise BenchError("--shrink and --seeds must be at least 1")
+    if args.shrink < 1:
+        raise BenchError(f"--shrink must be at least 1, not {args.shrink}")
+    if args.seeds < 1:
+        raise BenchError(f"--seeds must be at least 1, not {args.seeds}")
     cfg = Config(args.device, args.mode, args.precision, args.providers, args.backward, args.seeds,
-                 args.shrink, args.atol, args.rtol, args.warmup, args.rep)
+                 list(args.size) if args.size else None, args.shrink, args.atol, args.rtol, args.warmup, args.rep)
     return args.problems, cfg, args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     try:
         paths, cfg, args = parse_args(argv)
+    except SystemExit as exc:  # --help, which argparse has printed
+        return exc.code if isinstance(exc.code, int) else 0
+    except BenchError as exc:
+        return _bad_input(exc)
+    try:
         if args.plot:
             try:
                 import matplotlib  # noqa: F401
@@ -476,12 +621,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise BenchError("--plot needs matplotlib, which is not installed (pip install matplotlib)")
         results = run(paths, cfg, progress=lambda text: print(text, file=sys.stderr, flush=True))
     except BenchError as exc:
-        print(f"fusepass-bench: error: {exc}", file=sys.stderr)
-        return 2
-    env = environment(cfg.device)
+        return _bad_input(exc)
+    env = environment(cfg.device, sys.argv[1:] if argv is None else argv)
     print(f"\n{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}")
     for problem in dict.fromkeys(r.problem for r in results):
-        print(f"\n{problem}" + (f" (sizes / {cfg.shrink})" if cfg.shrink > 1 else ""))
+        print(f"\n{problem}")
         print(format_table(results, problem, cfg.backward))
     if args.json:
         payload = {"environment": env, "config": {k: v for k, v in asdict(cfg).items() if k != "results"},
@@ -491,6 +635,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.plot:
         write_plot(results, args.plot)
     return 0 if all(r.correct for r in results if r.provider != "eager") else 1
+
+
+def _bad_input(exc: BenchError) -> int:
+    message = " ".join(line.strip() for line in str(exc).splitlines())  # one line, whatever the cause
+    print(f"fusepass-bench: error: {message}", file=sys.stderr)
+    return 2
 
 
 def _json_value(value):

@@ -1,19 +1,24 @@
-"""fusepass-bench on CPU with --shrink: verdicts, the JSON schema, a wrong provider, error paths."""
+"""fusepass-bench on CPU with --shrink: verdicts, the JSON schema, wrong providers (bad output, drifting
+statistics, fallbacks, dropped parameters), error paths; the GPU tools built on its public functions."""
 
 import dataclasses
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import fusepass
+import fusepass.backend
 import fusepass.bench as bench
 
-PROBLEMS = Path(__file__).parent.parent / "demos" / "problems"
-FAST = ["--device", "cpu", "--shrink", "32", "--seeds", "2", "--warmup", "5", "--rep", "20"]
+ROOT = Path(__file__).parent.parent
+PROBLEMS = ROOT / "demos" / "problems"
+TIMING = ["--seeds", "2", "--warmup", "5", "--rep", "20"]
+FAST = ["--device", "cpu", "--shrink", "32", *TIMING]
 
 
 def test_cli_reports_verdicts_and_writes_json(tmp_path, capsys):
@@ -22,12 +27,15 @@ def test_cli_reports_verdicts_and_writes_json(tmp_path, capsys):
                          *FAST, "--mode", "train", "eval", "--json", str(out_json)])
     assert status == 0
     printed = capsys.readouterr()
-    assert "gemm_scale_batchnorm (sizes / 32)" in printed.out and "WRONG" not in printed.out
-    assert "[4/4] gemm_batchnorm_scale_softmax eval fp32" in printed.err  # progress display
+    # 16384 x 4096 -> 4096 and 1024 x 8192 -> 8192, each size / 32; the name says the size that ran
+    assert "\ngemm_scale_batchnorm@512x128x128\n" in printed.out and "WRONG" not in printed.out
+    assert "[4/4] gemm_batchnorm_scale_softmax@32x256x256 eval fp32" in printed.err  # progress display
 
     payload = json.loads(out_json.read_text())
     assert set(payload["environment"]) == {"device", "torch", "triton", "date", "command"}
-    assert payload["config"]["shrink"] == 32 and payload["config"]["modes"] == ["train", "eval"]
+    assert payload["environment"]["command"].endswith(f"--json {out_json}")
+    assert payload["config"]["shrink"] == 32 and payload["config"]["size"] is None
+    assert payload["config"]["modes"] == ["train", "eval"]
     results = payload["results"]
     assert len(results) == 2 * 2 * 3  # problems x modes x providers
     assert all(set(r) == {f.name for f in dataclasses.fields(bench.Result)} for r in results)
@@ -36,17 +44,35 @@ def test_cli_reports_verdicts_and_writes_json(tmp_path, capsys):
         assert 0 < r["median_ms"] and r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
         assert r["rel_error"] < 1e-5 and r["stats_match_eager"] is True and r["allclose"] is True
         assert r["peak_mb"] is None  # not measured on CPU: null, not NaN
+        expected_size = [512, 128, 128] if r["problem"].startswith("gemm_scale_batchnorm") else [32, 256, 256]
+        assert r["problem"] == bench.sized_name(r["problem"].split("@")[0], expected_size)
+        assert r["size"] == expected_size
+        # one chain per problem, compiled once per mode; nothing of fusepass's in the other providers
+        assert r["fusepass_rewrites"] == (1 if r["provider"] == "fusepass" else 0) and r["fusepass_fallbacks"] == 0
     eager = [r for r in results if r["provider"] == "eager"]
     assert all(r["speedup_vs_eager"] == 1.0 for r in eager)
 
 
+def test_size_runs_the_problem_at_that_size(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    status = bench.main([str(PROBLEMS / "gemm_batchnorm_scale_softmax.py"), "--device", "cpu", "--size", "24,40,56",
+                         "--providers", "fusepass", *TIMING, "--json", str(out_json)])
+    assert status == 0
+    assert "\ngemm_batchnorm_scale_softmax@24x40x56\n" in capsys.readouterr().out
+    payload = json.loads(out_json.read_text())
+    assert payload["config"]["size"] == [24, 40, 56] and payload["config"]["shrink"] == 1
+    assert [(r["problem"], r["size"]) for r in payload["results"]] == [("gemm_batchnorm_scale_softmax@24x40x56",
+                                                                        [24, 40, 56])] * 2
+
+
 def test_cli_backward_checks_gradients(tmp_path):
     out_json = tmp_path / "bench.json"
-    status = bench.main([str(PROBLEMS / "gemm_scale_batchnorm_1024.py"), *FAST, "--backward",
+    status = bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), "--size", "1024,8192,8192", *FAST, "--backward",
                          "--providers", "fusepass", "--json", str(out_json)])
     assert status == 0
     results = json.loads(out_json.read_text())["results"]
     assert [r["provider"] for r in results] == ["eager", "fusepass"]  # eager is always the baseline
+    assert all(r["size"] == [32, 256, 256] for r in results)  # --shrink divides --size's sizes
     assert all(r["correct"] and r["grad_allclose"] and 0 < r["grad_rel_error"] < 1e-4 for r in results)
 
 
@@ -90,9 +116,47 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, capsys, write, message
     path = tmp_path / "problem.py"
     if write is not None:
         path.write_text(write)
-    assert bench.main([str(path), *FAST]) == 2
+    assert bench.main([str(path), "--device", "cpu", *TIMING]) == 2
+    assert_one_error_line(capsys, message)
+
+
+def assert_one_error_line(capsys, message):
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("fusepass-bench: error:") and message in err[0]
+    assert len(err) == 1 and err[0].startswith("fusepass-bench: error:") and message in err[0], err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+    (["--shrink", "0"], "--shrink must be at least 1"),
+    (["--size", "1,2"], "argument --size: expected N,K,F"),
+    (["--size", "8,0,8"], "argument --size: expected N,K,F"),
+    (["--mode", "test"], "argument --mode: invalid choice"),
+    (["--device", "cuda"], "no CUDA GPU is available"),
+])
+def test_bad_arguments_are_one_line_and_status_2(monkeypatch, capsys, args, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --device cuda is bad input on any machine
+    assert bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), *args]) == 2  # returned, not raised
+    assert_one_error_line(capsys, message)
+    assert capsys.readouterr().out == ""
+
+
+def test_no_problem_is_one_line_and_status_2(capsys):
+    assert bench.main([]) == 2
+    assert_one_error_line(capsys, "required: PROBLEM.py")
+
+
+def test_a_problem_that_cannot_be_resized_is_one_line_and_status_2(tmp_path, capsys):
+    path = tmp_path / "literal_shape.py"
+    path.write_text((PROBLEMS / "gemm_scale_batchnorm.py").read_text().replace(
+        "scale_shape = (out_features,)", "scale_shape = (4096,)"))
+    assert bench.main([str(path), *FAST]) == 2
+    assert_one_error_line(capsys, "scale_shape = (4096,) keeps the size 4096")
+
+
+def test_help_returns_0(capsys):
+    assert bench.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--size N,K,F" in out and "--shrink F" in out
 
 
 def test_plot_without_matplotlib_says_so_before_any_work(monkeypatch, capsys):
@@ -101,17 +165,9 @@ def test_plot_without_matplotlib_says_so_before_any_work(monkeypatch, capsys):
     assert "--plot needs matplotlib" in capsys.readouterr().err
 
 
-def test_shrink_divides_every_size():
-    module = types.SimpleNamespace(batch_size=1024, in_features=8192, scale_shape=(8192,), single=(1,),
-                                   bn_eps=1e-5, flag=True, name="x")
-    bench.shrink_sizes(module, 64)
-    assert (module.batch_size, module.in_features, module.scale_shape) == (16, 128, (128,))
-    assert module.single == (1,) and module.bn_eps == 1e-5 and module.flag is True
-
-
 def test_console_script_is_installed():
     result = subprocess.run(["fusepass-bench", "--help"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "--precision" in result.stdout and "--shrink" in result.stdout
+    assert result.returncode == 0 and "--precision" in result.stdout and "--size" in result.stdout
 
 
 def test_drifting_running_statistics_are_reported_wrong(tmp_path, monkeypatch):
@@ -134,3 +190,86 @@ def test_drifting_running_statistics_are_reported_wrong(tmp_path, monkeypatch):
     assert bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), *FAST, "--json", str(out_json)]) == 1
     [wrong] = [r for r in json.loads(out_json.read_text())["results"] if r["provider"] == "fusepass"]
     assert not wrong["correct"] and "running statistics" in wrong["failure"] and wrong["stats_match_eager"] is False
+
+
+def test_fusepass_fallback_is_reported_wrong(tmp_path, monkeypatch):
+    """A fusepass provider that fell back runs the fallback compiler's code: its speed is not fusepass's."""
+    def failing_rewrite(*args, **kwargs):
+        raise RuntimeError("rewrite fails for this test")
+
+    monkeypatch.setattr(fusepass.backend, "rewrite", failing_rewrite)
+    out_json = tmp_path / "bench.json"
+    with pytest.warns(fusepass.FusepassFallbackWarning):
+        status = bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), *FAST, "--json", str(out_json)])
+    assert status == 1
+    results = {r["provider"]: r for r in json.loads(out_json.read_text())["results"]}
+    fell_back = results["fusepass"]
+    assert fell_back["correct"] is False and "fallback" in fell_back["failure"]
+    assert fell_back["fusepass_fallbacks"] >= 1 and fell_back["fusepass_rewrites"] == 0
+    assert fell_back["median_ms"] is None and fell_back["rel_error"] < 1e-5  # its output was right
+    assert all(results[p]["correct"] and results[p]["fusepass_fallbacks"] == 0 for p in ("eager", "inductor"))
+
+
+def scale_batch_norm(model, x, weight, bias):
+    """gemm_scale_batchnorm's forward with BatchNorm's weight and bias given, as a kernel's bug would."""
+    bn = model.bn
+    if model.training:
+        bn.num_batches_tracked.add_(1)
+    return F.batch_norm(model.gemm(x) * model.scale, bn.running_mean, bn.running_var, weight, bias,
+                        model.training, bn.momentum, bn.eps)
+
+
+def drop_gamma(model, x):
+    return scale_batch_norm(model, x, None, model.bn.bias)
+
+
+def drop_beta(model, x):
+    return scale_batch_norm(model, x, model.bn.weight, None)
+
+
+def drop_post_scale(model, x):
+    return model.softmax(model.bn(model.gemm(x)))
+
+
+@pytest.mark.parametrize("problem, buggy", [
+    ("gemm_scale_batchnorm.py", drop_gamma),
+    ("gemm_scale_batchnorm.py", drop_beta),
+    ("gemm_batchnorm_scale_softmax.py", drop_post_scale),
+])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_dropped_parameter_is_reported_wrong(tmp_path, monkeypatch, problem, buggy, mode):
+    """The problems keep BatchNorm's gamma = 1, beta = 0 and the softmax problem's scale = 1, under which
+    a provider that ignores one of them is right; the bench perturbs them, so it is not."""
+    real = bench.make_provider
+    monkeypatch.setattr(bench, "make_provider", lambda name, model: (
+        (lambda x: buggy(model, x)) if name == "fusepass" else real(name, model)))
+    out_json = tmp_path / "bench.json"
+    assert bench.main([str(PROBLEMS / problem), *FAST, "--mode", mode, "--providers", "fusepass",
+                       "--json", str(out_json)]) == 1
+    [wrong] = [r for r in json.loads(out_json.read_text())["results"] if r["provider"] == "fusepass"]
+    assert wrong["correct"] is False and "not allclose" in wrong["failure"]
+
+
+def test_perturbed_parameters_are_seeded_and_nontrivial():
+    module = bench.load(str(PROBLEMS / "gemm_batchnorm_scale_softmax.py"), (16, 24, 32))
+    first, second = (module.Model(*module.get_init_inputs()) for _ in range(2))
+    second.load_state_dict(first.state_dict())
+    rng_state = torch.get_rng_state()
+    bench.perturb_parameters(first)
+    assert torch.equal(torch.get_rng_state(), rng_state)  # its own generator: input draws are unchanged
+    bench.perturb_parameters(second)
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
+        assert torch.equal(a, b), name  # the same values for every provider
+    bn = first.bn
+    assert (bn.weight != 1).all() and (bn.bias != 0).all() and (first.scale != 1).all()
+    assert (bn.running_mean != 0).all() and (bn.running_var > 0).all() and (bn.running_var != 1).all()
+    assert bn.num_batches_tracked.item() == 0
+
+
+@pytest.mark.parametrize("tool", ["profile_host.py", "memory_peak.py", "compile_cache.py"])
+def test_gpu_tools_parse_arguments_on_any_machine(tool):
+    """`--help` works without a GPU: the tools import only the fusepass package and do GPU work after parsing."""
+    result = subprocess.run([sys.executable, f"tools/{tool}", "--help"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--size N,K,F" in result.stdout and "--precision" in result.stdout

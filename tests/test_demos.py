@@ -17,25 +17,27 @@ def run_demo(name, *args):
     result = subprocess.run([sys.executable, str(DEMOS / name), *args], capture_output=True, text=True,
                             timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return result.stdout, result.stderr
 
 
 def test_quickstart():
-    out = run_demo("quickstart.py", "--problem", "gemm_batchnorm_scale_softmax")
+    out, _ = run_demo("quickstart.py", "--problem", "gemm_batchnorm_scale_softmax")
     assert "No GPU in use" in out and "linear_batch_norm_scale_softmax" in out
     assert out.count("fusepass ") >= 2 and "Relative error to the float64 model" in out
 
 
 def test_compare_runs_every_problem_shrunk():
-    out = run_demo("compare.py")
+    out, _ = run_demo("compare.py")
     assert "--shrink 32" in out and "WRONG" not in out
-    for problem in ("gemm_scale_batchnorm", "gemm_scale_batchnorm_1024", "gemm_batchnorm_scale_softmax"):
-        assert f"{problem} (sizes / 32)" in out
+    # 16384 x 4096 -> 4096, 1024 x 8192 -> 8192 (softmax), and --size 1024,8192,8192: each size / 32
+    for problem in ("gemm_scale_batchnorm@512x128x128", "gemm_batchnorm_scale_softmax@32x256x256",
+                    "gemm_scale_batchnorm@32x256x256"):
+        assert f"\n{problem}\n" in out
     assert out.count(" ok ") == 3 * 2 * 3  # problems x modes x providers
 
 
 def test_explain_and_dump():
-    out = run_demo("explain_and_dump.py")
+    out, _ = run_demo("explain_and_dump.py")
     assert "1 rewrite(s), 0 miss(es)" in out
     for part in ("before.py", "after.py", "report.txt"):
         assert f"_{part} =====" in out
