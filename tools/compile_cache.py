@@ -2,7 +2,7 @@
 FX-graph cache, AOTAutograd's cache: hits, misses, bypasses). Run it twice in fresh processes: the
 second run shows the "once tuned" compile, with the caches that the first filled. GPU only.
 
-    python tools/compile_cache.py demos/problems/gemm_scale_batchnorm_1024.py --mode train \
+    python tools/compile_cache.py demos/problems/gemm_scale_batchnorm.py --size 1024,8192,8192 --mode train \
         --precision bf16-autocast
 """
 
@@ -14,28 +14,33 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
-from fusepass.bench import make_provider
-from problem_calls import add_arguments, model_and_inputs, one_call
+from fusepass.bench import add_problem_arguments, make_provider, model_and_inputs, provider_call
+
+CACHE_COUNTERS = ("inductor", "aot_autograd")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    add_arguments(parser, ["inductor", "fusepass"])
+    add_problem_arguments(parser, ["inductor", "fusepass"])
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
 
     # Pays the process's one-time costs (imports, CUDA context, Triton's driver) before any timing, so
     # that the first provider timed is not charged for them.
     torch.compile(lambda t: (t * 2).relu())(torch.ones(8, device="cuda"))
-    base, inputs = model_and_inputs(args)
+    base, inputs = model_and_inputs(args.problem, args.mode, "cuda", args.size)
     for provider in args.providers:
         torch._dynamo.reset()
-        counters.clear()
-        call = one_call(make_provider(provider, base), inputs, args)
+        for group in CACHE_COUNTERS:  # only these: fusepass's backend keeps a reference to counters["fusepass"]
+            counters[group].clear()
+        call = provider_call(make_provider(provider, base), inputs, mode=args.mode, precision=args.precision,
+                             device="cuda", backward=args.backward)
         torch.cuda.synchronize()
         start = time.perf_counter()
         call()
         torch.cuda.synchronize()
-        caches = {f"{group}.{key}": value for group in ("inductor", "aot_autograd") for key, value in counters[group].items()
+        caches = {f"{group}.{key}": value for group in CACHE_COUNTERS for key, value in counters[group].items()
                   if "cache" in key or "bypass" in key}
         print(f"{provider}: first call {time.perf_counter() - start:.2f} s; {caches}")
 

@@ -3,7 +3,7 @@ peak above what was allocated before the call, and the allocations made during t
 still live at that peak, largest first, with the Python line that made each (for compiled graphs, a
 line of Inductor's generated code). GPU only.
 
-    python tools/memory_peak.py demos/problems/gemm_scale_batchnorm_1024.py --mode eval \
+    python tools/memory_peak.py demos/problems/gemm_scale_batchnorm.py --size 1024,8192,8192 --mode eval \
         --precision bf16-autocast [--backward] [--providers eager inductor fusepass]
 """
 
@@ -16,8 +16,7 @@ import shutil
 
 import torch
 
-from fusepass.bench import make_provider
-from problem_calls import add_arguments, model_and_inputs, one_call
+from fusepass.bench import add_problem_arguments, make_provider, model_and_inputs, provider_call
 
 
 def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
@@ -50,16 +49,19 @@ def where(event: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    add_arguments(parser, ["eager", "inductor", "fusepass"])
+    add_problem_arguments(parser, ["eager", "inductor", "fusepass"])
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--dump", help="copy the generated code that made the largest blocks into this folder")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
 
-    base, inputs = model_and_inputs(args)
+    base, inputs = model_and_inputs(args.problem, args.mode, "cuda", args.size)
     print(f"{args.problem} {args.mode} {args.precision} backward={args.backward} {torch.cuda.get_device_name()}")
     for provider in args.providers:
         model = make_provider(provider, copy.deepcopy(base))
-        call = one_call(model, inputs, args)
+        call = provider_call(model, inputs, mode=args.mode, precision=args.precision,
+                             device="cuda", backward=args.backward)
 
         for _ in range(3):
             call()

@@ -2,7 +2,7 @@
 synchronizing, so this is CPU work alone), wall time per call, the CUDA kernels one call launches
 (torch.profiler), and for fusepass a cProfile of the host side.
 
-    python tools/profile_host.py demos/problems/gemm_scale_batchnorm_1024.py --mode train \
+    python tools/profile_host.py demos/problems/gemm_scale_batchnorm.py --size 1024,8192,8192 --mode train \
         --precision bf16-autocast [--backward] [--providers eager inductor fusepass]
 """
 
@@ -19,8 +19,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fusepass.bench import make_provider
-from problem_calls import add_arguments, model_and_inputs, one_call
+from fusepass.bench import add_problem_arguments, make_provider, model_and_inputs, provider_call
 
 
 def per_call_us(fn, calls: int) -> tuple[float, float]:
@@ -57,18 +56,21 @@ def host_profile(fn, calls: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    add_arguments(parser, ["eager", "inductor", "fusepass"])
+    add_problem_arguments(parser, ["eager", "inductor", "fusepass"])
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--verbose", action="store_true", help="log fusepass's tuning choices")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
     if args.verbose:
         logging.basicConfig()
         logging.getLogger("fusepass").setLevel(logging.INFO)
 
-    base, inputs = model_and_inputs(args)
+    base, inputs = model_and_inputs(args.problem, args.mode, "cuda", args.size)
     print(f"{args.problem} {args.mode} {args.precision} backward={args.backward} {torch.cuda.get_device_name()}")
     for provider in args.providers:
-        call = one_call(make_provider(provider, copy.deepcopy(base)), inputs, args)
+        call = provider_call(make_provider(provider, copy.deepcopy(base)), inputs, mode=args.mode,
+                             precision=args.precision, device="cuda", backward=args.backward)
         for _ in range(5):
             call()
         host, wall = per_call_us(call, args.calls)
