@@ -12,8 +12,14 @@ DEMOS = Path(__file__).parent.parent / "demos"
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the demos run at full size")
 
 
-def run_demo(name, *args):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+def run_demo(name, *args, as_user=False):
+    """The demo's (stdout, stderr). Warnings are ignored, unless `as_user`: then it runs as README's
+    command does in a user's shell, with Python's default warning filters and none of the test
+    suite's environment (TRITON_INTERPRET)."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if as_user:
+        for variable in ("PYTHONWARNINGS", "TRITON_INTERPRET"):
+            env.pop(variable, None)
     result = subprocess.run([sys.executable, str(DEMOS / name), *args], capture_output=True, text=True,
                             timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -24,6 +30,15 @@ def test_quickstart():
     out, _ = run_demo("quickstart.py", "--problem", "gemm_batchnorm_scale_softmax")
     assert "No GPU in use" in out and "linear_batch_norm_scale_softmax" in out
     assert out.count("fusepass ") >= 2 and "Relative error to the float64 model" in out
+
+
+def test_quickstart_prints_no_warnings():
+    """README's first command, `python demos/quickstart.py`, as a user runs it: nothing on stderr that
+    warns (torch without numpy, say, prints "Failed to initialize NumPy")."""
+    out, err = run_demo("quickstart.py", as_user=True)
+    assert "Relative error to the float64 model" in out
+    noisy = [line for line in err.splitlines() if "warn" in line.lower() or "numpy" in line.lower()]
+    assert noisy == [], err[-3000:]
 
 
 def test_compare_runs_every_problem_shrunk():
