@@ -111,8 +111,9 @@ def test_missing_provider_is_a_dash_and_a_wrong_one_says_so(tmp_path):
     assert cells[6:9] == ["2.00×", "-", "-"]
 
 
-def test_a_fusepass_provider_with_fallbacks_is_wrong(tmp_path):
-    rows = [result("eager", 4.228), result("fusepass", FUSED_MS, fallbacks=1)]
+@pytest.mark.parametrize("field", ["fusepass_fallbacks", "fallbacks"])
+def test_a_fusepass_provider_with_fallbacks_is_wrong(tmp_path, field):
+    rows = [result("eager", 4.228), result("fusepass", FUSED_MS, **{field: 1})]
     text = write_report(tmp_path, {"forward-fp32": payload(rows)})
     cells = table_line(text, "Forward, fp32", "gemm_scale_batchnorm 1024×8192→8192", "train")
     assert cells[5] == "wrong" and cells[-1] == "-"

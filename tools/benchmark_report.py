@@ -46,7 +46,7 @@ SOFTMAX = "demos/problems/gemm_batchnorm_scale_softmax.py"  # 1024 x 8192 -> 819
 PROVIDERS = ("eager", "inductor", "max-autotune", "fusepass")
 CUDA_GRAPH_PROVIDERS = ("inductor-cudagraphs", "fusepass-cudagraphs")
 # Fewer input draws and shorter timings than the bench's defaults (5 draws, 500 ms) keep the whole
-# run near 25 minutes on an H200.
+# run near 40 minutes on an H200, most of it compiling.
 TIMING = ("--seeds", "2", "--warmup", "50", "--rep", "200")
 # The compile-warm section wants compile times only: one draw, the shortest timing.
 COMPILE_ONLY_TIMING = ("--seeds", "1", "--warmup", "10", "--rep", "20")
@@ -54,9 +54,11 @@ COMPILE_ONLY_TIMING = ("--seeds", "1", "--warmup", "10", "--rep", "20")
 
 @dataclass(frozen=True)
 class Spec:
-    """One fusepass-bench command. estimate_s: its wall time on an H200 with cold caches, estimated
-    from the compile_s and timings the bench has recorded there (max-autotune's GEMM autotuning is
-    most of it: 1-47 s per forward graph in fp32, about three times that with the backward's GEMMs)."""
+    """One fusepass-bench command. estimate_s: its wall time on an H200 (torch 2.11, triton 3.6) with
+    cold caches. Measured: forward-fp32-1024 100 s; training-step-fp32 239 s, -fp32-1024 75-85 s,
+    -bf16-1024 73 s; small-shapes 201 s. The others are scaled from those by their compiled graphs.
+    Most of it is max-autotune's cold GEMM autotuning: 15-47 s per forward graph, 57-114 s per
+    training step."""
     name: str  # the JSON file's stem
     section: str
     problems: tuple[str, ...]
@@ -93,27 +95,29 @@ def training_specs(precision: str, label: str, estimate_s: int, estimate_1024_s:
 
 
 SPECS: list[Spec] = [
-    *forward_specs("fp32", "fp32", 210, 60),
-    *forward_specs("tf32", "tf32", 90, 35),
-    *forward_specs("bf16-autocast", "bf16", 95, 45),
-    *training_specs("fp32", "fp32", 240, 70),
-    *training_specs("tf32", "tf32", 120, 45),
-    *training_specs("bf16-autocast", "bf16", 130, 50),
-    Spec("small-shapes", "small-shapes", (SCALE_BN, SOFTMAX), ("train", "eval"), ("fp32", "bf16-autocast"), 150,
+    *forward_specs("fp32", "fp32", 230, 100),
+    *forward_specs("tf32", "tf32", 220, 100),
+    *forward_specs("bf16-autocast", "bf16", 220, 100),
+    *training_specs("fp32", "fp32", 240, 80),
+    *training_specs("tf32", "tf32", 240, 80),
+    *training_specs("bf16-autocast", "bf16", 240, 80),
+    Spec("small-shapes", "small-shapes", (SCALE_BN, SOFTMAX), ("train", "eval"), ("fp32", "bf16-autocast"), 200,
          size="128,1024,512", providers=PROVIDERS + CUDA_GRAPH_PROVIDERS),
-    # cold priming run (~150 s) + warm run (~45 s)
-    Spec("compile-warm", "compile-warm", (SCALE_BN, SOFTMAX), ("train",), ("fp32", "bf16-autocast"), 195,
+    # cold priming run (~190 s) + warm run (~40 s)
+    Spec("compile-warm", "compile-warm", (SCALE_BN, SOFTMAX), ("train",), ("fp32", "bf16-autocast"), 230,
          timing=COMPILE_ONLY_TIMING, warm=True),
 ]
 SECTIONS = list(dict.fromkeys(spec.section for spec in SPECS))
-# Sections grouped into device calls of at most ~9 minutes each: the estimates above add up to at
-# most 7 minutes per call, a margin for estimates that are off by a third.
+# Sections grouped into device calls of under 9 minutes each: the estimates add up to at most 7.2
+# minutes per call, a margin for the calls' start-up and for estimates that are off.
 DEVICE_CALLS = [
-    ("forward-fp32", "forward-tf32"),
-    ("forward-bf16", "small-shapes"),
+    ("forward-fp32",),
+    ("forward-tf32",),
+    ("forward-bf16",),
     ("training-step-fp32",),
-    ("training-step-tf32", "training-step-bf16"),
-    ("compile-warm",),
+    ("training-step-tf32",),
+    ("training-step-bf16",),
+    ("small-shapes", "compile-warm"),
 ]
 
 COLD_NOTE = ("empty Inductor (FX-graph, autotuning), Triton and fusepass tuning caches of its own: "
@@ -255,7 +259,7 @@ class Row:
     @property
     def usable(self) -> bool:
         """Correct, and no graph fell back (its time would not be fusepass's)."""
-        fallbacks = self.result.get("fallbacks", self.result.get("fusepass_fallbacks")) or 0
+        fallbacks = self.result.get("fusepass_fallbacks", self.result.get("fallbacks")) or 0
         return bool(self.result.get("correct")) and not fallbacks
 
 
@@ -538,10 +542,15 @@ def sources_table(sources: list[Source]) -> str:
     lines = []
     for s in sources:
         config = s.payload["config"]
-        lines.append([f"`benchmarks/{s.path.name}`", s.env["device"], s.env["torch"], s.env["triton"], s.env["date"],
+        lines.append([f"`{shown_path(s.path)}`", s.env["device"], s.env["torch"], s.env["triton"], s.env["date"],
                       s.report.get("commit") or MISSING, str(config.get("seeds", MISSING)),
                       str(config.get("rep_ms", MISSING)), caches_label(s)])
     return markdown(lines, ["file", "GPU", "torch", "triton", "date", "commit", "seeds", "rep ms", "caches"])
+
+
+def shown_path(path: Path) -> str:
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def caches_notes(sources: list[Source]) -> list[str]:
@@ -633,7 +642,7 @@ def kept_section(report: Path) -> str:
 def write(json_dir: Path, output: Path) -> None:
     text = render(load_sources(json_dir), kept_section(output))
     output.write_text(text)
-    print(f"wrote {output.relative_to(ROOT) if output.is_relative_to(ROOT) else output}")
+    print(f"wrote {shown_path(output)}")
 
 
 # --------------------------------------------------------------------------- command line
