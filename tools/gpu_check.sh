@@ -26,5 +26,5 @@ fusepass-bench demos/problems/*.py "${QUICK[@]}" --json "$OUT/bench_forward.json
 fusepass-bench demos/problems/gemm_scale_batchnorm.py --size 1024,8192,8192 "${QUICK[@]}" \
   --json "$OUT/bench_forward_1024.json" > "$OUT/bench_forward_1024.txt" 2> "$OUT/bench_forward_1024.err" || status=1
 cat "$OUT/bench_forward.txt" "$OUT/bench_forward_1024.txt"
-tail -3 "$OUT"/bench_forward*.err
+tail -n 3 "$OUT"/bench_forward*.err
 exit $status
