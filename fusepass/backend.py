@@ -2,6 +2,16 @@
 
 Registered as "fusepass" through the `torch_dynamo_backends` entry point (see pyproject.toml), so
 `torch.compile(model, backend="fusepass", mode=..., options=...)` works without importing fusepass.
+
+What the backend did is counted in `torch._dynamo.utils.counters["fusepass"]`:
+
+- "graphs": graphs Dynamo handed to the backend (with or without a chain to fuse);
+- "rewrites": fused ops in use. A graph's rewrites count once it has compiled, and are taken back out
+  if its first call fails and it falls back, so a graph that runs without fused ops adds none;
+- "fallbacks": graphs that run with the fallback compiler because rewriting, compiling or the first
+  call of their fused graph failed (each also warns with FusepassFallbackWarning).
+
+A key appears once it has been counted: a process whose graphs all fused has no "fallbacks" key.
 """
 
 from __future__ import annotations
@@ -20,8 +30,9 @@ from fusepass.options import Options
 from fusepass.rewrite import copy_graph_module, rewrite
 
 log = logging.getLogger(__name__)
-# torch._dynamo.utils.counters["fusepass"]: "graphs" compiled, "rewrites" made, "fallbacks" taken.
-stats = counters["fusepass"]
+stats = counters["fusepass"]  # "graphs", "rewrites", "fallbacks": see the module docstring
+# Debug directories whose dump failed and has been warned about (once per directory and process).
+_failed_dump_dirs: set[str] = set()
 
 
 class FusepassFallbackWarning(UserWarning):
@@ -31,29 +42,46 @@ class FusepassFallbackWarning(UserWarning):
 def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] = None,
                      options: Optional[dict[str, Any]] = None) -> Callable:
     opts = Options.parse(mode, options)
+    stats["graphs"] += 1
     original = copy_graph_module(gm)
     try:
         matches, misses = rewrite(gm, opts.kernel)
-        stats["graphs"] += 1
-        stats["rewrites"] += len(matches)
         report = Report()
         report.add_graph(matches, misses)
         log.info("%s", report)
         if opts.debug_dir:
-            write_debug_dump(opts.debug_dir, original, gm, report)
+            _debug_dump(opts.debug_dir, original, gm, report)
         if matches:
             mutated = mutated_input_positions(gm)
             compiled = compile_fx(gm, example_inputs, config_patches=opts.inductor_patches)
     except Exception as exc:  # never break the user's model: compile it without fused ops
         return _fall_back(original, example_inputs, opts, f"rewriting or compiling failed: {exc!r}")
+    stats["rewrites"] += len(matches)
     if not matches:  # nothing of fusepass's in this graph: plain Inductor, its errors its own
         return compile_fx(gm, example_inputs, config_patches=opts.inductor_patches)
     return _FirstCallGuard(compiled, mutated, lambda exc: _fall_back(
-        original, example_inputs, opts, f"the fused graph failed on its first call: {exc!r}"))
+        original, example_inputs, opts, f"the fused graph failed on its first call: {exc!r}",
+        rewrites_not_used=len(matches)))
 
 
-def _fall_back(original: GraphModule, example_inputs: list, opts: Options, why: str) -> Callable:
+def _debug_dump(debug_dir: str, before: GraphModule, after: GraphModule, report: Report) -> None:
+    """Writes the debug dump; a dump that cannot be written warns once per directory and leaves the
+    rewritten graph as it is (the dump is a by-product, not a reason to give up the fused ops)."""
+    try:
+        write_debug_dump(debug_dir, before, after, report)
+    except Exception as exc:
+        log.debug("fusepass: debug dump to %r failed: %r", debug_dir, exc)
+        if debug_dir not in _failed_dump_dirs:
+            _failed_dump_dirs.add(debug_dir)
+            warnings.warn(f"fusepass: cannot write the debug dump to {debug_dir!r} ({exc!r}); "
+                          "compiling goes on without it", UserWarning, stacklevel=2)
+
+
+def _fall_back(original: GraphModule, example_inputs: list, opts: Options, why: str,
+               rewrites_not_used: int = 0) -> Callable:
     stats["fallbacks"] += 1
+    if rewrites_not_used:
+        stats["rewrites"] -= rewrites_not_used
     warnings.warn(f"fusepass: {why}; this graph falls back to {opts.fallback}", FusepassFallbackWarning,
                   stacklevel=2)
     if opts.fallback == "eager":
