@@ -7,9 +7,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fusepass.families.linear_batch_norm import FUSED_OP
+from fusepass.lowering.schema import Kernel
 from fusepass.pattern import find_chains
-from fusepass.options import KernelOptions
-from fusepass.rewrite import FUSED_OP, rewrite
+from fusepass.rewrite import rewrite
 from tests.chains import ChainModel, make_input
 
 
@@ -179,7 +180,7 @@ def test_every_family_member_becomes_one_fused_op(member, training):
     assert count_calls(gm, leftovers) == 0 and count_methods(gm, "softmax") == 0
     [fused] = [n for n in gm.graph.nodes if n.target is FUSED_OP]
     assert op_arguments(fused)["softmax"] is ("softmax" in member)
-    assert (op_arguments(fused)["fp32_matmul"], op_arguments(fused)["gemm_choice"]) == ("tf32x3", "auto")
+    assert (op_arguments(fused)["kernel_fp32_matmul"], op_arguments(fused)["kernel_gemm"]) == ("tf32x3", "auto")
 
 
 def op_arguments(node):
@@ -188,9 +189,9 @@ def op_arguments(node):
 
 def test_kernel_options_become_op_arguments():
     gm = single_graph(ChainModel(), make_input(8, 32))
-    rewrite(gm, KernelOptions(fp32_matmul="ieee", gemm="cublas"))
+    rewrite(gm, Kernel(fp32_matmul="ieee", gemm="cublas"))
     [fused] = [n for n in gm.graph.nodes if n.target is FUSED_OP]
-    assert (op_arguments(fused)["fp32_matmul"], op_arguments(fused)["gemm_choice"]) == ("ieee", "cublas")
+    assert (op_arguments(fused)["kernel_fp32_matmul"], op_arguments(fused)["kernel_gemm"]) == ("ieee", "cublas")
 
 
 @pytest.mark.parametrize("spelling", ["module", "functional", "torch", "method", "dtype"])
