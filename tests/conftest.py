@@ -13,6 +13,14 @@ from torch._dynamo.utils import counters  # noqa: E402
 from fusepass.lowering import tuning  # noqa: E402
 
 
+def pytest_configure(config):
+    """A graph that falls back to plain Inductor still gives eager's results, so without this every
+    end-to-end test would pass with a fused op that fails when it runs. Tests that cause a fallback on
+    purpose expect the warning (pytest.warns). Added here rather than in pyproject.toml: pytest imports
+    a filter's category when it reads the ini file, before this file sets TRITON_INTERPRET."""
+    config.addinivalue_line("filterwarnings", "error::fusepass.FusepassFallbackWarning")
+
+
 @pytest.fixture(autouse=True)
 def untuned(tmp_path_factory, monkeypatch):
     """Tests take each op's default implementation unless they ask for tuning (tests/lowering/

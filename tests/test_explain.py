@@ -1,9 +1,10 @@
 """fusepass.explain() and the debug dump of rewritten graphs."""
 
+import pytest
 import torch
 
 import fusepass
-from tests.chains import ChainModel, make_input
+from tests.chains import ChainModel, Trio, assert_fused, make_input
 from tests.test_pattern import SecondUser, TwoChains
 
 
@@ -56,9 +57,32 @@ def _check_dump(directory):
 def test_debug_dir_option_writes_graphs_and_report(tmp_path):
     torch.compile(ChainModel(), backend="fusepass", options={"debug_dir": str(tmp_path)})(make_input(8, 32))
     _check_dump(tmp_path)
+    assert_fused(rewrites=1, graphs=1)
 
 
 def test_debug_dir_environment_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEPASS_DEBUG_DIR", str(tmp_path))
     torch.compile(ChainModel(), backend="fusepass")(make_input(8, 32))
     _check_dump(tmp_path)
+    assert_fused(rewrites=1, graphs=1)
+
+
+def test_unwritable_debug_dir_warns_once_and_still_fuses(tmp_path):
+    """The dump is a by-product: a directory that cannot be made (here, under a regular file) gets one
+    warning for all graphs, and every graph is still rewritten and runs fused."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory\n")
+    debug_dir = blocker / "dump"
+    torch.manual_seed(18)
+    trio = Trio.of(ChainModel(23, 17), options={"debug_dir": str(debug_dir)})
+    with pytest.warns(UserWarning) as caught:
+        for training in (True, False):
+            trio.train(training)
+            for batch in (12, 12):
+                trio.step(make_input(batch, 23))
+    trio.finish()
+    dump_warnings = [w for w in caught if "debug dump" in str(w.message)]
+    assert len(dump_warnings) == 1 and str(debug_dir) in str(dump_warnings[0].message)
+    assert dump_warnings[0].category is UserWarning  # not a FusepassFallbackWarning: nothing fell back
+    assert not debug_dir.exists() and blocker.read_text() == "not a directory\n"
+    assert_fused(rewrites=2, graphs=2)

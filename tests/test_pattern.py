@@ -115,17 +115,24 @@ class Between(nn.Module):
 
     def __init__(self, op):
         super().__init__()
-        self.linear, self.bn, self.op = nn.Linear(32, 48), nn.BatchNorm1d(48), op
+        # "add": batch norm would cancel the biases of both linears, and their gradients would be rounding
+        # noise; without them the comparison with eager means something.
+        bias = op != "add"
+        self.linear, self.bn, self.op = nn.Linear(32, 48, bias=bias), nn.BatchNorm1d(48), op
+        self.other = nn.Linear(32, 48, bias=False) if op == "add" else None
 
     def forward(self, x):
         y = self.linear(x)
         if self.op == "relu":
             return self.bn(torch.relu(y) * 2.0)
+        if self.op == "add":
+            return self.bn(y + self.other(x))
         return self.bn(y * torch.ones_like(y))  # "full_tensor_scale"
 
 
 @pytest.mark.parametrize("op, reason", [
     ("relu", "expected linear, found `relu`"),
+    ("add", "found `add`"),
     ("full_tensor_scale", "multiplies by something other than"),
 ])
 def test_chains_that_must_not_be_rewritten(op, reason):
@@ -141,15 +148,18 @@ def test_unsupported_dtype_is_left_alone_with_reason():
     assert matches == [] and "float64" in miss.reason
 
 
+class ThreeD(nn.Module):
+    """Linear on a 3-D input (N, C, 32) -> (N, C, 6), batch norm over C."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.bn = nn.Linear(32, 6), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.linear(x) * 2.0)
+
+
 def test_three_d_input_is_left_alone():
-    class ThreeD(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear, self.bn = nn.Linear(32, 6), nn.BatchNorm1d(4)
-
-        def forward(self, x):
-            return self.bn(self.linear(x) * 2.0)
-
     gm = single_graph(ThreeD(), torch.randn(3, 4, 32))
     matches, [miss] = rewrite(gm)
     assert matches == [] and "3-D" in miss.reason
