@@ -12,7 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fusepass.backend
-import fusepass.lowering.linear_scale_batch_norm as lowering
+import fusepass.lowering.op as lowering
 from fusepass.backend import FusepassFallbackWarning
 from tests.chains import DEVICES, ChainModel, Trio, assert_fused, fusepass_counts, make_input
 from tests.test_pattern import Between, SecondUser, ThreeD
@@ -477,7 +477,7 @@ def test_where_the_fused_op_runs_in_the_compiled_graph(device, training):
     code = _compiled_code(model, make_input(16, 32, device))
     if device == "cuda":
         assert "linear_scale_batch_norm_opaque" not in code
-        kernels = ("_linear_epilogue_kernel", "_normalize_softmax_kernel", "_partial_stats_kernel")
+        kernels = ("_gemm_kernel", "_normalize_softmax_kernel", "_partial_stats_kernel")
         assert any(name in code for name in kernels)
     else:
         assert code.count(OPAQUE_CALL) == 1
@@ -497,11 +497,11 @@ def test_autocast_weight_is_cast_into_one_buffer(training, _):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _out, code = run_and_get_code(compiled, make_input(16, 32, "cuda"))
     forward = code[0]
-    assert "_linear_epilogue_kernel" in forward
+    assert "_gemm_kernel" in forward
     assert forward.count("empty_strided_cuda((48, 32), (32, 1), torch.bfloat16)") == 1
 
 
-@pytest.mark.parametrize("gemm, kernels", [("triton", ["_linear_epilogue_kernel", "_normalize_softmax_kernel"]),
+@pytest.mark.parametrize("gemm, kernels", [("triton", ["_gemm_kernel", "_normalize_softmax_kernel"]),
                                            ("cublas", ["_normalize_softmax_kernel"])])
 @pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY)], ids=["cuda"])
 def test_traced_softmax_chain_launches_only_its_own_kernels(gemm, kernels, _):
