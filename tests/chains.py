@@ -105,10 +105,12 @@ def randomize_batch_norm(bn: nn.BatchNorm1d) -> None:
 
 
 # Relative error to float64 allowed for a gradient judged against float64 alone: where the linear runs in
-# fp32, and where it rounds to fewer bits (bf16, fp16, TF32). Measured on CPU for pre-batch-norm scales:
-# fp32 <= 6.1e-6; a bf16/fp16 linear output <= 0.054. A gradient of the wrong sign has error >= 1, a zeroed
-# one exactly 1.
-FLOAT64_ONLY_RTOL = {"fp32": 1e-3, "rounded": 0.25}
+# fp32, and where it rounds to fewer bits (bf16, fp16, TF32). Where it rounds, float64 is not the exact
+# value of the model that ran (its linear output is not rounded), so the bound only tells a right gradient
+# from a zeroed one (error exactly 1) or one of the wrong sign (error >= 1). Measured for pre-batch-norm
+# scales: fp32 <= 6.1e-6 (CPU); a bf16/fp16 linear output <= 0.054 on CPU and 0.38 on an H200 (bf16
+# autocast, per-feature scale).
+FLOAT64_ONLY_RTOL = {"fp32": 1e-3, "rounded": 0.75}
 # Below this, a float64 value counts as 0: the relative and sign checks then become |fused| <= this.
 FLOAT64_ZERO = 1e-12
 

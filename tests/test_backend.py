@@ -167,9 +167,16 @@ def test_eval_with_changing_batch_size():
 # --------------------------------------------------------------------------- chains that are not (all) fused
 
 
+def _frozen_scale(model):
+    model.scale.requires_grad_(False)
+    return model
+
+
 NOT_FUSED = {
     # An intermediate with a second user: fusing would lose it.
-    "second_user_of_linear": (lambda: SecondUser("linear"), 32, 0),
+    # Its scale is frozen: it acts only through batch norm, so its training gradient is rounding noise in
+    # eager and Inductor alike (1.9x apart on one machine's CPU).
+    "second_user_of_linear": (lambda: _frozen_scale(SecondUser("linear")), 32, 0),
     "second_user_of_scaled": (lambda: SecondUser("scaled"), 32, 0),
     # Something other than a scale between linear and batch_norm.
     "relu_between": (lambda: Between("relu"), 32, 0),
