@@ -18,7 +18,7 @@ from torch import Tensor
 from fusepass.lowering import gemm
 from fusepass.lowering.implementations import on_cublas, on_triton_gemm
 from fusepass.lowering.launch import real_tensors
-from fusepass.lowering.schema import ChainArgs, ChainOutputs, flatten, unflatten
+from fusepass.lowering.schema import FLAT_NAMES, ChainArgs, ChainOutputs, flatten, unflatten
 from fusepass.lowering.tuning import TUNER, capturing
 
 OP_NAME = "fusepass::linear_scale_batch_norm"
@@ -89,39 +89,47 @@ def _fits_int32_offsets(x: Tensor, n_features: int) -> bool:
 
 
 class ChoiceKey(NamedTuple):
-    """What the choice of implementation depends on: the per-process table's key, and (described) the
-    tuner's."""
-    n: int
-    k: int
-    f: int
-    dtype: torch.dtype
+    """What the choice of implementation depends on, taken from the op's arguments (so a new argument
+    is part of it without being listed here): each tensor's shape and dtype (None where absent), every
+    flag, dtype and option; not the float values (scales, momentum, eps), which change no kernel. The
+    per-process table's key, and (described) the tuner's."""
+    arguments: tuple
     device: torch.device
     precision: str
     gemm: str
-    training: bool
-    softmax: bool
-    save_linear_out: bool
-    out_dtype: torch.dtype
-    has_bias: bool
-    scale_modes: tuple[int, int]
-    affine: tuple[bool, bool]
-    running: bool
     traced: bool
 
     @classmethod
     def of(cls, args: ChainArgs, precision: str, traced: bool) -> "ChoiceKey":
-        x, bn = args.linear.x, args.batch_norm
-        return cls(x.shape[0], x.shape[1], args.n_features, x.dtype, x.device, precision, gemm_choice(args),
-                   bn.training, args.softmax, args.save_linear_out, args.out_dtype, args.linear.bias is not None,
-                   (args.scale_before.mode, args.scale_after.mode), (bn.weight is not None, bn.bias is not None),
-                   bn.running_mean is not None, traced)
+        return cls(tuple(_key_part(value) for value in flatten(args)), args.linear.x.device, precision,
+                   gemm_choice(args), traced)
 
     def describe(self) -> str:
         """The tuner's key (the device is in the tuner's own part of it)."""
-        return (f"{OP_NAME} {self.n}x{self.k}->{self.f} {self.dtype} {self.precision} gemm={self.gemm} "
-                f"train={self.training} softmax={self.softmax} keep={self.save_linear_out} out={self.out_dtype} "
-                f"bias={self.has_bias} scale={self.scale_modes[0]},{self.scale_modes[1]} "
-                f"affine={self.affine[0]},{self.affine[1]} running={self.running}" + (" traced" if self.traced else ""))
+        parts = [f"{name}={_describe_part(part)}" for name, part in zip(FLAT_NAMES, self.arguments)
+                 if part is not _NOT_A_KEY]
+        return " ".join([OP_NAME, f"precision={self.precision}", f"gemm={self.gemm}", *parts]) + (
+            " traced" if self.traced else "")
+
+
+_NOT_A_KEY = "not a key"
+
+
+def _key_part(value):
+    if isinstance(value, Tensor):
+        return tuple(value.shape), value.dtype
+    if isinstance(value, float):
+        return _NOT_A_KEY
+    return value
+
+
+def _describe_part(part) -> str:
+    if isinstance(part, tuple):
+        shape, dtype = part
+        return ("x".join(map(str, shape)) or "()") + ":" + str(dtype).removeprefix("torch.")
+    if part is None:
+        return "-"
+    return str(part).removeprefix("torch.")
 
 
 _CHOSEN: dict[ChoiceKey, Optional[Implementation]] = {}
