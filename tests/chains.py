@@ -93,6 +93,63 @@ def _make_scale(kind, out_features):
     return nn.Parameter(torch.randn(shape) * 0.5 + 1.0)
 
 
+# --------------------------------------------------------------------------- models around the family
+
+
+class TwoChains(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = ChainModel(), ChainModel(48, 16)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class SecondUser(nn.Module):
+    """The linear output (or the scaled one) is also used elsewhere: fusing would lose it."""
+
+    def __init__(self, reuse):
+        super().__init__()
+        self.linear, self.bn, self.reuse = nn.Linear(32, 48), nn.BatchNorm1d(48), reuse
+        self.scale = nn.Parameter(torch.randn(48))
+
+    def forward(self, x):
+        y = self.linear(x)
+        z = y * self.scale
+        return self.bn(z) + (y if self.reuse == "linear" else z)
+
+
+class Between(nn.Module):
+    """Something other than a scale between linear and batch_norm."""
+
+    def __init__(self, op):
+        super().__init__()
+        # "add": batch norm would cancel the biases of both linears, and their gradients would be rounding
+        # noise; without them the comparison with eager means something.
+        bias = op != "add"
+        self.linear, self.bn, self.op = nn.Linear(32, 48, bias=bias), nn.BatchNorm1d(48), op
+        self.other = nn.Linear(32, 48, bias=False) if op == "add" else None
+
+    def forward(self, x):
+        y = self.linear(x)
+        if self.op == "relu":
+            return self.bn(torch.relu(y) * 2.0)
+        if self.op == "add":
+            return self.bn(y + self.other(x))
+        return self.bn(y * torch.ones_like(y))  # "full_tensor_scale"
+
+
+class ThreeD(nn.Module):
+    """Linear on a 3-D input (N, C, 32) -> (N, C, 6), batch norm over C."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.bn = nn.Linear(32, 6), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.linear(x) * 2.0)
+
+
 def randomize_batch_norm(bn: nn.BatchNorm1d) -> None:
     """Non-trivial affine parameters and running statistics, so that none of them can hide a bug."""
     with torch.no_grad():

@@ -14,8 +14,8 @@ from torch._dynamo.utils import counters
 import fusepass.backend
 import fusepass.lowering.op as lowering
 from fusepass.backend import FusepassFallbackWarning
-from tests.chains import DEVICES, ChainModel, Trio, assert_fused, fusepass_counts, make_input
-from tests.test_pattern import Between, SecondUser, ThreeD
+from tests.chains import (DEVICES, Between, ChainModel, SecondUser, ThreeD, Trio, assert_fused, fusepass_counts,
+                          make_input)
 
 VARIANTS = {
     "per_feature": {},

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 import fusepass
-from tests.chains import ChainModel, Trio, assert_fused, make_input
-from tests.test_pattern import SecondUser, TwoChains
+from tests.chains import ChainModel, SecondUser, Trio, TwoChains, assert_fused, make_input
 
 
 def test_explain_reports_each_match_and_leaves_the_model_alone():

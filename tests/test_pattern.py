@@ -11,7 +11,7 @@ from fusepass.families.linear_batch_norm import FUSED_OP
 from fusepass.lowering.schema import Kernel
 from fusepass.pattern import find_chains
 from fusepass.rewrite import rewrite
-from tests.chains import ChainModel, make_input
+from tests.chains import Between, ChainModel, SecondUser, ThreeD, TwoChains, make_input
 
 
 def dynamo_graphs(model, *inputs):
@@ -71,34 +71,11 @@ def test_python_number_and_tensor_scale_are_normalized():
     assert match.get("linear").bias is not None and match.get("batch_norm").training is True
 
 
-class TwoChains(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = ChainModel(), ChainModel(48, 16)
-
-    def forward(self, x):
-        return self.b(self.a(x))
-
-
 def test_two_chains_two_rewrites():
     gm = single_graph(TwoChains(), make_input(8, 32))
     matches, misses = rewrite(gm)
     assert len(matches) == 2 and misses == []
     assert count_calls(gm, (FUSED_OP,)) == 2
-
-
-class SecondUser(nn.Module):
-    """The linear output (or the scaled one) is also used elsewhere: fusing would lose it."""
-
-    def __init__(self, reuse):
-        super().__init__()
-        self.linear, self.bn, self.reuse = nn.Linear(32, 48), nn.BatchNorm1d(48), reuse
-        self.scale = nn.Parameter(torch.randn(48))
-
-    def forward(self, x):
-        y = self.linear(x)
-        z = y * self.scale
-        return self.bn(z) + (y if self.reuse == "linear" else z)
 
 
 @pytest.mark.parametrize("reuse, node", [("linear", "y"), ("scaled", "z")])
@@ -108,26 +85,6 @@ def test_intermediate_with_second_user_is_left_alone(reuse, node):
     matches, [miss] = rewrite(gm)
     assert matches == [] and gm.code == before
     assert f"intermediate `{node}` has other users" in miss.reason
-
-
-class Between(nn.Module):
-    """Something other than a scale between linear and batch_norm."""
-
-    def __init__(self, op):
-        super().__init__()
-        # "add": batch norm would cancel the biases of both linears, and their gradients would be rounding
-        # noise; without them the comparison with eager means something.
-        bias = op != "add"
-        self.linear, self.bn, self.op = nn.Linear(32, 48, bias=bias), nn.BatchNorm1d(48), op
-        self.other = nn.Linear(32, 48, bias=False) if op == "add" else None
-
-    def forward(self, x):
-        y = self.linear(x)
-        if self.op == "relu":
-            return self.bn(torch.relu(y) * 2.0)
-        if self.op == "add":
-            return self.bn(y + self.other(x))
-        return self.bn(y * torch.ones_like(y))  # "full_tensor_scale"
 
 
 @pytest.mark.parametrize("op, reason", [
@@ -146,17 +103,6 @@ def test_unsupported_dtype_is_left_alone_with_reason():
     gm = single_graph(ChainModel().double(), make_input(8, 32).double())
     matches, [miss] = rewrite(gm)
     assert matches == [] and "float64" in miss.reason
-
-
-class ThreeD(nn.Module):
-    """Linear on a 3-D input (N, C, 32) -> (N, C, 6), batch norm over C."""
-
-    def __init__(self):
-        super().__init__()
-        self.linear, self.bn = nn.Linear(32, 6), nn.BatchNorm1d(4)
-
-    def forward(self, x):
-        return self.bn(self.linear(x) * 2.0)
 
 
 def test_three_d_input_is_left_alone():
