@@ -494,9 +494,9 @@ def test_where_the_fused_op_runs_in_the_compiled_graph(device, training):
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY)], ids=["cuda"])
 def test_autocast_weight_is_cast_into_one_buffer(training, _):
-    """Traced on CUDA under autocast, the Triton GEMM gets the bf16 weight once. (It used to get the
-    same tensor for its unused low-half operand too, and Inductor then wrote the cast into two
-    buffers: a second full copy of W.)"""
+    """Traced on CUDA under autocast, the Triton GEMM gets the bf16 weight once: were the same tensor
+    passed again for its unused low-half operand, Inductor would write the cast into two buffers (a
+    second full copy of W)."""
     torch.manual_seed(7)
     model = ChainModel(32, 48).cuda().train(training)
     compiled = torch.compile(model, backend="fusepass", options={"gemm": "triton"})
@@ -512,9 +512,9 @@ def test_autocast_weight_is_cast_into_one_buffer(training, _):
                                            ("cublas", ["_normalize_softmax_kernel"])])
 @pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY)], ids=["cuda"])
 def test_traced_softmax_chain_launches_only_its_own_kernels(gemm, kernels, _):
-    """Eval without grad, fp32: Inductor launches the op's kernels (and cuBLAS) and nothing else. It used
-    to add a copy of the linear output, which the softmax pass wrote over, and a kernel copying the
-    statistics, which shared a tensor with the pass's empty slots."""
+    """Eval without grad, fp32: Inductor launches the op's kernels (and cuBLAS) and nothing else: no copy
+    of the linear output for the softmax pass to write over, and no kernel copying the statistics into
+    tensors that share the pass's empty slots (see launch.unused_pointer)."""
     torch.manual_seed(8)
     model = ChainModel(256, 512, softmax="functional").cuda().eval()
     compiled = torch.compile(model, backend="fusepass", options={"gemm": gemm})
