@@ -3,6 +3,8 @@
 - `on_triton_gemm`: fusepass's Triton GEMM (gemm.py) with the statistics (training) or the whole
   eval-mode normalization in its epilogue, then the passes after it (passes.py) where still needed.
 - `on_cublas`: cuBLAS's GEMM (F.linear, as eager), then every pass after it.
+
+Both take arguments the op has validated (ChainArgs.validate, at the op's entry points).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from fusepass.lowering.schema import ChainArgs, ChainOutputs
 def on_triton_gemm(args: ChainArgs, precision: str, config: gemm.GemmConfig) -> ChainOutputs:
     """Training: GEMM and output pass (with a finalize launch between them when the row tiles are
     many). Eval: the GEMM alone, or GEMM and the softmax pass."""
-    args.validate()
     bn = args.batch_norm
     stats = Statistics.allocate(args.n_features, args.linear.x.device, bn)
     run = dict(precision=precision, config=config, scale_before=args.scale_before)

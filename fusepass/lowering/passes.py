@@ -457,7 +457,6 @@ def normalize_linear_output(y: Tensor, args: ChainArgs, out: Optional[Tensor] = 
     """Every pass after a GEMM that computed no statistics (cuBLAS), on its output y of shape (N, F):
     in training a statistics pass, then the output pass (with a finalize launch between them unless the
     output pass merges). Returns (out, the statistics it was normalized with)."""
-    args.validate()
     n_rows, n_cols = y.shape
     stats = Statistics.allocate(n_cols, y.device, args.batch_norm)
     if out is None:
