@@ -45,7 +45,7 @@ def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] 
     stats["graphs"] += 1
     original = copy_graph_module(gm)
     try:
-        matches, misses = rewrite(gm, opts.kernel)
+        matches, misses = rewrite(gm, opts.kernel, opts.families)
         report = Report()
         report.add_graph(matches, misses)
         log.info("%s", report)

@@ -52,13 +52,17 @@ class Report:
             rows = [[m["graph"], m["pattern"], " -> ".join(m["nodes"]),
                      f"{m['shapes']['x']} @ {m['shapes']['weight']} -> {m['shapes']['out']}",
                      f"{m['dtypes']['x']} / {m['dtypes']['linear']} / {m['dtypes']['out']}",
-                     "train" if m["training"] else "eval"] for m in self.matches]
+                     _mode(m["training"])] for m in self.matches]
             lines += ["", "Matches:", tabulate(rows, headers=["graph", "pattern", "nodes", "x @ W -> out",
                                                               "dtypes x/linear/out", "mode"])]
         if self.misses:
             rows = [[m["graph"], m["node"], m["reason"]] for m in self.misses]
             lines += ["", "Misses:", tabulate(rows, headers=["graph", "node", "reason"], maxcolwidths=[None, None, 80])]
         return "\n".join(lines)
+
+
+def _mode(training) -> str:
+    return "-" if training is None else "train" if training else "eval"
 
 
 def write_debug_dump(debug_dir: str, before: GraphModule, after: GraphModule, report: Report) -> str:

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch._inductor
 from torch._inductor import config as inductor_config
 
+from fusepass.families import FAMILIES, bare_linear
 from fusepass.lowering.schema import Kernel
 from fusepass.lowering.tuning import source_hash
 
@@ -17,6 +18,8 @@ DEBUG_DIR_ENV = "FUSEPASS_DEBUG_DIR"
 FALLBACKS = ("inductor", "eager")
 # fusepass's own keys and what they mean; every other key must be an Inductor config key.
 FUSEPASS_KEYS = {
+    "bare_linear": "run fp32 linears outside any chain (and their backward) on fusepass's linear op, which "
+                   "picks the 3xTF32 Triton GEMM or cuBLAS per shape: True (default) or False",
     "debug_dir": "write each graph before/after rewriting and its match report here (env FUSEPASS_DEBUG_DIR)",
     "fallback": "what a graph falls back to if rewriting or compiling the fused op fails: 'inductor' or 'eager'",
     "fp32_matmul": "fp32 GEMMs when torch does not allow TF32: 'tf32x3' (default; fp32-accurate on tensor "
@@ -33,6 +36,7 @@ class Options:
     debug_dir: Optional[str] = None
     fallback: str = "inductor"
     kernel: Kernel = Kernel()  # the fused ops' own options, passed to each op in the graph
+    bare_linear: bool = True
     inductor_patches: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -52,7 +56,19 @@ class Options:
         debug_dir = own.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
         kernel = Kernel(**{key: own[key] for key in ("fp32_matmul", "gemm") if key in own})
         kernel.validate()
-        return cls(mode=mode, debug_dir=debug_dir, fallback=fallback, kernel=kernel, inductor_patches=patches)
+        bare_linear = own.get("bare_linear", True)
+        if not isinstance(bare_linear, bool):
+            raise ValueError(f"fusepass: options['bare_linear'] must be True or False, got {bare_linear!r}")
+        return cls(mode=mode, debug_dir=debug_dir, fallback=fallback, kernel=kernel, bare_linear=bare_linear,
+                   inductor_patches=patches)
+
+    @property
+    def families(self) -> tuple:
+        """The families to rewrite, in priority order. Bare linears only where their op can differ from
+        cuBLAS fp32: not with fp32_matmul='ieee'."""
+        if self.bare_linear and self.kernel.fp32_matmul != "ieee":
+            return FAMILIES
+        return tuple(f for f in FAMILIES if f is not bare_linear.FAMILY)
 
 
 def _inductor_patches(options: dict[str, Any]) -> dict[str, Any]:

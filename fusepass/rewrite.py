@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 from torch.fx import Graph, GraphModule, Node
 
 from fusepass.lowering.schema import Kernel
-from fusepass.pattern import Match, Miss, find_chains
+from fusepass.pattern import ChainFamily, Match, Miss, find_chains
 
 
-def rewrite(gm: GraphModule, kernel: Kernel = Kernel()) -> tuple[list[Match], list[Miss]]:
-    """Rewrites every match in `gm` in place. Returns the matches (now replaced) and the misses."""
-    matches, misses = find_chains(gm.graph)
+def rewrite(gm: GraphModule, kernel: Kernel = Kernel(), families: Optional[tuple[ChainFamily, ...]] = None
+            ) -> tuple[list[Match], list[Miss]]:
+    """Rewrites every match in `gm` in place (of `families`, default all). Returns the matches (now
+    replaced) and the misses."""
+    matches, misses = find_chains(gm.graph, families)
     replaced: dict[Node, Node] = {}  # a chain's last node -> what replaced it (a chain may feed another)
     for match in matches:
         replaced[match.last] = match.family.replace(gm.graph, match, replaced, kernel)

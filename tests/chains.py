@@ -306,7 +306,7 @@ class Trio:
 
 def exact_training_grads(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Trio's default (zero_grads, float64_grads) for `model`."""
-    if isinstance(model, ChainModel):
+    if isinstance(model, (ChainModel, MLP)):
         return model.exact_training_grads()
     linear_biases = tuple(f"{name}.bias" for name, m in model.named_modules()
                           if isinstance(m, nn.Linear) and m.bias is not None)
@@ -346,3 +346,21 @@ def fusepass_stats() -> dict:
 def fusepass_counts() -> dict:
     """All three of fusepass's counters, 0 where not counted yet."""
     return {key: counters["fusepass"][key] for key in ("graphs", "rewrites", "fallbacks")}
+
+
+class MLP(nn.Sequential):
+    """torchvision.ops.MLP(in, hidden, norm_layer=nn.BatchNorm1d) as torchvision builds it: per hidden
+    layer Linear -> BatchNorm1d -> ReLU -> Dropout(0.0), the last layer a bare Linear -> Dropout(0.0)."""
+
+    def __init__(self, in_features: int, hidden: list[int]):
+        layers = []
+        for out_features in hidden[:-1]:
+            bn = nn.BatchNorm1d(out_features)
+            randomize_batch_norm(bn)
+            layers += [nn.Linear(in_features, out_features), bn, nn.ReLU(), nn.Dropout(0.0)]
+            in_features = out_features
+        super().__init__(*layers, nn.Linear(in_features, hidden[-1]), nn.Dropout(0.0))
+
+    def exact_training_grads(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The hidden linears' biases (each feeds a batch norm); not the last one's."""
+        return tuple(f"{i}.bias" for i, m in enumerate(self) if isinstance(m, nn.Linear))[:-1], ()

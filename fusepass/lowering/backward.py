@@ -1,5 +1,8 @@
-"""The fused op's backward: gradients of every differentiable argument, in plain PyTorch (Inductor
-compiles it with the rest of the backward graph; GEMMs on cuBLAS).
+"""The fused op's backward: gradients of every differentiable argument. The batch-norm and softmax
+terms are plain PyTorch (Inductor compiles them with the rest of the backward graph into its own fused
+reductions and pointwise kernels); the two GEMMs, dX and dW, are calls of `fusepass::linear`
+(linear.py), so in fp32 they run on the same 3xTF32 tensor-core GEMM as the forward, or on cuBLAS at
+eager's precision where that is faster.
 
 More exact than eager where eager cancels: in training the linear bias's gradient is exactly 0 (batch
 norm removes any shift), and the pre-BN scale's gradient has a closed form instead of a sum that cancels
@@ -13,6 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from fusepass.lowering import linear
 from fusepass.lowering.reference import affine
 from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Linear, Scale, gradients_in_op_order, unflatten
 
@@ -28,6 +32,7 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:
     ctx.training, ctx.eps, ctx.save_linear_out, ctx.softmax = bn.training, bn.eps, args.save_linear_out, args.softmax
     ctx.scale_before_value, ctx.scale_after_value = args.scale_before.value, args.scale_after.value
     ctx.bias_dtype = lin.bias.dtype if lin.bias is not None else None
+    ctx.kernel = args.kernel
 
 
 def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tuple:
@@ -62,9 +67,9 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
     grad_y = (grad_z * s1.factor()).to(linear_out.dtype)
 
     if need.linear.x:
-        grads["linear_x"] = grad_y @ weight
+        grads["linear_x"] = linear.call(grad_y, weight.t(), None, ctx.kernel)
     if need.linear.weight:
-        grads["linear_weight"] = grad_y.t() @ x
+        grads["linear_weight"] = linear.call(grad_y.t(), x.t(), None, ctx.kernel)
     if need.linear.bias:
         grads["linear_bias"] = _linear_bias_grad(ctx, grad_y)
     if need.scale_before.tensor:

@@ -50,11 +50,11 @@ def implementations(args: ChainArgs, precision: str, traced: bool = False) -> di
     """Every way to run the op for these arguments, by name, the default first. Plain fp32 FMA ("ieee")
     is cuBLAS's alone, whatever the gemm option says, and so are problems too large for the GEMM
     kernel's 32-bit offsets. TMA tile configs are offered where the operands allow descriptors.
-    `traced`: only those that can run inside Inductor's graph (may be none; see _cublas_traceable)."""
+    `traced`: only those that can run inside Inductor's graph (may be none; see cublas_traceable)."""
     x, weight = args.linear.x, args.linear.weight
     choice = gemm_choice(args)
     candidates = {}
-    if choice in ("auto", "triton") and precision != "ieee" and _fits_int32_offsets(x, weight.shape[0]):
+    if choice in ("auto", "triton") and precision != "ieee" and fits_int32_offsets(x, weight.shape[0]):
         precisions = [precision] + ([_pre_split_precision(x, weight)] if precision == "tf32x3" else [])
         # Traced, no TMA configs: torch does not capture TMA descriptors when it traces a wrap_triton
         # launch outside Dynamo ("not yet supported", torch 2.13's triton_kernel_wrap.py), and the
@@ -65,7 +65,7 @@ def implementations(args: ChainArgs, precision: str, traced: bool = False) -> di
                 if tma or not config.tma:
                     candidates[f"triton {p} {config.describe()}"] = functools.partial(
                         on_triton_gemm, precision=p, config=config)
-    if (choice in ("auto", "cublas") or not candidates) and (not traced or _cublas_traceable(precision)):
+    if (choice in ("auto", "cublas") or not candidates) and (not traced or cublas_traceable(precision)):
         candidates["cublas"] = functools.partial(on_cublas, precision=precision)
     return candidates
 
@@ -76,13 +76,13 @@ def _pre_split_precision(x: Tensor, weight: Tensor) -> str:
     return "split_x" if x.numel() < weight.numel() else "split_w"
 
 
-def _cublas_traceable(precision: str) -> bool:
+def cublas_traceable(precision: str) -> bool:
     """A traced F.linear becomes Inductor's matmul, which follows torch's global TF32 flag when it runs:
     right only where that flag already gives the precision asked for."""
     return precision == "native" or torch.backends.cuda.matmul.allow_tf32 == (precision == "tf32")
 
 
-def _fits_int32_offsets(x: Tensor, n_features: int) -> bool:
+def fits_int32_offsets(x: Tensor, n_features: int) -> bool:
     """The GEMM kernel computes element offsets in int32."""
     limit = 2**31 - 1
     return x.numel() <= limit and x.shape[0] * n_features <= limit and x.shape[1] * n_features <= limit

@@ -45,7 +45,7 @@ def on_triton_gemm(args: ChainArgs, precision: str, config: gemm.GemmConfig) -> 
 
 def on_cublas(args: ChainArgs, precision: str) -> ChainOutputs:
     lin = args.linear
-    with _cublas_precision(precision):
+    with cublas_precision(precision):
         y = F.linear(lin.x, lin.weight, lin.bias)
     out, stats = normalize_linear_output(y, args, out=_output_buffer(y, args))
     return _outputs(args, out, stats, y)
@@ -66,7 +66,7 @@ def _output_buffer(y: Tensor, args: ChainArgs) -> Tensor:
 
 
 @contextlib.contextmanager
-def _cublas_precision(precision: str):
+def cublas_precision(precision: str):
     """cuBLAS follows torch's global TF32 flag; the op's fp32 precision was resolved already."""
     allow = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"

@@ -17,6 +17,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.library import wrap_triton
 from torch.utils._python_dispatch import _disable_current_modes
 
+# Set (to anything) to keep fusepass's ops opaque to torch.compile on CUDA too (for comparisons).
+OPAQUE_ENV = "FUSEPASS_OPAQUE"
 _MODE_KEYS = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
               torch._C._TorchDispatchModeKey.FUNCTIONAL)
 

@@ -19,11 +19,10 @@ from torch._subclasses.fake_tensor import is_fake
 
 from fusepass.lowering import backward
 from fusepass.lowering.choice import OP_NAME, choose_implementation, static_shapes
+from fusepass.lowering.launch import OPAQUE_ENV
 from fusepass.lowering.reference import new_running_stat_shape, reference, running_stats_dtype
 from fusepass.lowering.schema import ChainArgs, ChainOutputs, bind, flatten, with_op_signature
 
-# Set (to anything) to keep the op opaque to torch.compile on CUDA too (for comparisons).
-OPAQUE_ENV = "FUSEPASS_OPAQUE"
 
 
 @with_op_signature

@@ -1,0 +1,93 @@
+"""`fusepass::linear`: its Triton GEMM on the three layouts a training step multiplies in (forward x @ W^T,
+dX = g @ W, dW = g^T @ x; under TRITON_INTERPRET=1 on CPU, natively on CUDA), its candidates, and the op
+with its autograd formula against eager and float64."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusepass.lowering import gemm, linear
+from fusepass.lowering.schema import Kernel
+from tests.chains import assert_no_further_from_float64, requires_cuda
+from tests.lowering.cases import KERNEL_DEVICE
+
+SMALL = gemm.GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=2)
+
+
+def _operands(layout: str, m: int, k: int, n: int, seed: int):
+    """(a, b) with a @ b^T of shape (m, n) laid out as a training step's GEMMs lay them out."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(shape, generator=g).to(KERNEL_DEVICE)  # noqa: E731
+    if layout == "forward":  # x (m, k) @ W (n, k)^T
+        return rand(m, k), rand(n, k)
+    if layout == "grad_x":  # g (m, k) @ W (k, n): W^T is a transposed view
+        return rand(m, k), rand(k, n).t()
+    return rand(k, m).t(), rand(k, n).t()  # grad_weight: g^T @ x, both transposed views
+
+
+@pytest.mark.parametrize("layout", ["forward", "grad_x", "grad_weight"])
+@pytest.mark.parametrize("precision", ["tf32x3", "split_w", "split_x"])
+@pytest.mark.parametrize("m, k, n", [(37, 40, 19), (5, 33, 48)])
+def test_triton_gemm_on_each_layout_no_further_from_float64_than_eager(layout, precision, m, k, n):
+    a, b = _operands(layout, m, k, n, seed=m * k + n)
+    for copies in (False, True):
+        out = linear._on_triton_gemm(a, b, None, precision=precision, config=SMALL, k_major_copies=copies)
+        assert_no_further_from_float64(f"{layout} copies={copies}", out, F.linear(a, b),
+                                       F.linear(a.double(), b.double()))
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_candidates(traced):
+    a, b = _operands("grad_weight", 64, 64, 64, seed=0)
+    names = list(linear.implementations(a, b, "tf32x3", "auto", traced))
+    assert names[0].startswith("triton tf32x3 ")
+    assert any(n.startswith("triton split_") for n in names)
+    assert any(n.endswith("on K-major copies") for n in names)
+    assert names[-1] == "cublas"
+    assert not any(" tma" in n for n in names)  # transposed views cannot be TMA descriptors
+    forward = list(linear.implementations(*_operands("forward", 64, 64, 64, seed=0), "tf32x3", "auto", traced))
+    assert not any(n.endswith("on K-major copies") for n in forward)
+    assert list(linear.implementations(a, b, "ieee", "auto", traced)) == ["cublas"]
+    assert list(linear.implementations(a, b, "tf32x3", "cublas", traced)) == ["cublas"]
+    assert "cublas" not in linear.implementations(a, b, "tf32x3", "triton", traced)
+
+
+def test_op_on_cpu_is_eager_linear_with_its_gradients():
+    g = torch.Generator().manual_seed(4)
+    x, w, b = (torch.randn(s, generator=g, requires_grad=True) for s in ((9, 13), (6, 13), (6,)))
+    out = linear.call(x, w, b, Kernel())
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    ref = F.linear(x2, w2, b2)
+    assert torch.equal(out, ref)
+    upstream = torch.randn(out.shape, generator=g)
+    out.backward(upstream)
+    ref.backward(upstream)
+    for fused, eager in ((x, x2), (w, w2), (b, b2)):
+        torch.testing.assert_close(fused.grad, eager.grad)
+
+
+def test_bad_shapes_fail_like_eager_in_the_fake():
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        x, w = torch.empty(4, 5), torch.empty(3, 6)
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            torch.ops.fusepass.linear(x, w, None, "tf32x3", "auto")
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("gemm_choice", ["auto", "triton", "cublas"])
+@pytest.mark.parametrize("m, k, n", [(37, 40, 19), (300, 257, 130)])
+def test_op_and_its_gradients_no_further_from_float64_than_eager_on_cuda(gemm_choice, m, k, n, monkeypatch):
+    monkeypatch.setenv("FUSEPASS_TUNE", "1")
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    leaves = [torch.randn(s, device="cuda", generator=g) for s in ((m, k), (n, k), (n,))]
+    upstream = torch.randn((m, n), device="cuda", generator=g, dtype=torch.float64)
+    results = {}
+    for name in ("fused", "eager", "float64"):
+        x, w, b = (t.detach().clone().to(torch.float64 if name == "float64" else torch.float32).requires_grad_()
+                   for t in leaves)
+        out = linear.call(x, w, b, Kernel(gemm=gemm_choice)) if name == "fused" else F.linear(x, w, b)
+        (out.double() * upstream).sum().backward()
+        results[name] = (out, x.grad, w.grad, b.grad)
+    for i, what in enumerate(("out", "grad x", "grad weight", "grad bias")):
+        assert_no_further_from_float64(what, results["fused"][i], results["eager"][i], results["float64"][i])
