@@ -1,0 +1,47 @@
+"""Times every candidate of `fusepass::linear` (Triton GEMM precisions and tile configs, K-major copies,
+cuBLAS) on the three layouts of a training step's GEMMs, with each one's error to float64. GPU only.
+
+    python tools/tune_linear.py [--size M,K,N ...] [--precision tf32x3|tf32|native]
+
+A size M,K,N is the forward x (M, K) @ W (N, K)^T; grad_x is then g (M, N) @ W, grad_weight g^T @ x."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+from tabulate import tabulate
+
+from fusepass.lowering import linear
+from fusepass.numerics import rel_error
+
+DTYPES = {"tf32x3": torch.float32, "tf32": torch.float32, "native": torch.bfloat16}
+
+
+def layouts(m: int, k: int, n: int, dtype: torch.dtype) -> dict:
+    x, w, g = (torch.randn(s, device="cuda").to(dtype) for s in ((m, k), (n, k), (m, n)))
+    return {"forward": (x, w), "grad_x": (g, w.t()), "grad_weight": (g.t(), x.t())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", nargs="+", default=["1024,8192,8192", "16384,4096,4096", "4096,4096,4096"])
+    parser.add_argument("--precision", default="tf32x3", choices=sorted(DTYPES))
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
+    rows = []
+    for size in args.size:
+        m, k, n = (int(v) for v in size.split(","))
+        for layout, (a, b) in layouts(m, k, n, DTYPES[args.precision]).items():
+            ref = a.double() @ b.double().t()
+            flop = 2 * a.shape[0] * a.shape[1] * b.shape[0]
+            for name, run in linear.implementations(a, b, args.precision, "auto", traced=False).items():
+                ms = triton.testing.do_bench(lambda: run(a, b, None), warmup=25, rep=100, return_mode="median")
+                rows.append([size, layout, name, f"{ms:.3f}", f"{flop / ms / 1e9:.0f}",
+                             f"{rel_error(run(a, b, None), ref):.2e}"])
+    print(tabulate(rows, headers=["M,K,N", "layout", "candidate", "ms", "TFLOP/s", "error to float64"]))
+
+
+if __name__ == "__main__":
+    main()
