@@ -6,8 +6,9 @@ Registered as "fusepass" through the `torch_dynamo_backends` entry point (see py
 What the backend did is counted in `torch._dynamo.utils.counters["fusepass"]`:
 
 - "graphs": graphs Dynamo handed to the backend (with or without a chain to fuse);
-- "rewrites": fused ops in use. A graph's rewrites count once it has compiled, and are taken back out
-  if its first call fails and it falls back, so a graph that runs without fused ops adds none;
+- "rewrites": fused chains in use. A graph's rewrites count once it has compiled, and are taken back
+  out if its first call fails and it falls back, so a graph that runs without fused ops adds none;
+- "linears": bare linears running on fusepass's linear op (the bare-linear family), counted likewise;
 - "fallbacks": graphs that run with the fallback compiler because rewriting, compiling or the first
   call of their fused graph failed (each also warns with FusepassFallbackWarning).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections import Counter
 from typing import Any, Callable, Optional
 
 import torch
@@ -30,7 +32,7 @@ from fusepass.options import Options
 from fusepass.rewrite import copy_graph_module, rewrite
 
 log = logging.getLogger(__name__)
-stats = counters["fusepass"]  # "graphs", "rewrites", "fallbacks": see the module docstring
+stats = counters["fusepass"]  # "graphs", "rewrites", "linears", "fallbacks": see the module docstring
 # Debug directories whose dump failed and has been warned about (once per directory and process).
 _failed_dump_dirs: set[str] = set()
 
@@ -56,12 +58,17 @@ def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] 
             compiled = compile_fx(gm, example_inputs, config_patches=opts.inductor_patches)
     except Exception as exc:  # never break the user's model: compile it without fused ops
         return _fall_back(original, example_inputs, opts, f"rewriting or compiling failed: {exc!r}")
-    stats["rewrites"] += len(matches)
+    counted = _count_by_family(matches)
+    stats.update(counted)
     if not matches:  # nothing of fusepass's in this graph: plain Inductor, its errors its own
         return compile_fx(gm, example_inputs, config_patches=opts.inductor_patches)
     return _FirstCallGuard(compiled, mutated, lambda exc: _fall_back(
         original, example_inputs, opts, f"the fused graph failed on its first call: {exc!r}",
-        rewrites_not_used=len(matches)))
+        not_used=counted))
+
+
+def _count_by_family(matches: list) -> Counter:
+    return Counter(match.family.counter for match in matches)
 
 
 def _debug_dump(debug_dir: str, before: GraphModule, after: GraphModule, report: Report) -> None:
@@ -78,10 +85,9 @@ def _debug_dump(debug_dir: str, before: GraphModule, after: GraphModule, report:
 
 
 def _fall_back(original: GraphModule, example_inputs: list, opts: Options, why: str,
-               rewrites_not_used: int = 0) -> Callable:
+               not_used: Optional[Counter] = None) -> Callable:
     stats["fallbacks"] += 1
-    if rewrites_not_used:
-        stats["rewrites"] -= rewrites_not_used
+    stats.subtract(not_used or Counter())
     warnings.warn(f"fusepass: {why}; this graph falls back to {opts.fallback}", FusepassFallbackWarning,
                   stacklevel=2)
     if opts.fallback == "eager":

@@ -85,6 +85,7 @@ class Result:
     speedup_vs_inductor: Optional[float] = None
     # what fusepass's backend did while this provider compiled and ran (0 for providers without it)
     fusepass_rewrites: int = 0
+    fusepass_linears: int = 0
     fusepass_fallbacks: int = 0
 
 
@@ -233,22 +234,23 @@ def provider_call(fn: Callable, inputs: list, *, mode: str, precision: str, devi
     return call
 
 
-def fusepass_counts() -> tuple[int, int]:
-    """(rewrites, fallbacks) fusepass's backend has counted so far in this process."""
+def fusepass_counts() -> tuple[int, int, int]:
+    """(rewrites, linears, fallbacks) fusepass's backend has counted so far in this process."""
     stats = counters["fusepass"]
-    return stats["rewrites"], stats["fallbacks"]
+    return stats["rewrites"], stats["linears"], stats["fallbacks"]
 
 
 @contextlib.contextmanager
 def counting_fusepass(result: "Result"):
-    """Adds the rewrites and fallbacks that happen inside to `result`."""
-    rewrites, fallbacks = fusepass_counts()
+    """Adds the rewrites, bare linears and fallbacks that happen inside to `result`."""
+    before = fusepass_counts()
     try:
         yield
     finally:
-        now_rewrites, now_fallbacks = fusepass_counts()
-        result.fusepass_rewrites += now_rewrites - rewrites
-        result.fusepass_fallbacks += now_fallbacks - fallbacks
+        rewrites, linears, fallbacks = (now - then for now, then in zip(fusepass_counts(), before))
+        result.fusepass_rewrites += rewrites
+        result.fusepass_linears += linears
+        result.fusepass_fallbacks += fallbacks
 
 
 def sync(device: str) -> None:

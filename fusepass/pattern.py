@@ -210,13 +210,15 @@ class ChainFamily:
     """Steps in data-flow order: `head` feeds `anchor`, which feeds `tail`. Optional steps may be
     absent; the tail's steps are all optional, the chain simply ends earlier. `replace(graph, match,
     replaced, kernel)` puts the fused op in the graph in place of a match and returns the node that
-    stands for the chain's output; `describe(match)` gives explain() the match's shapes and dtypes."""
+    stands for the chain's output; `describe(match)` gives explain() the match's shapes and dtypes.
+    `counter`: the backend's counter of this family's rewrites (torch._dynamo.utils.counters["fusepass"])."""
 
     head: tuple[Step, ...]
     anchor: Step
     tail: tuple[Step, ...]
     replace: Callable[..., Node]
     describe: Callable[["Match"], dict[str, Any]]
+    counter: str = "rewrites"
 
 
 @dataclass

@@ -172,12 +172,14 @@ FLOAT64_ONLY_RTOL = {"fp32": 1e-3, "rounded": 0.75}
 FLOAT64_ZERO = 1e-12
 
 
-def assert_fused(rewrites: int, graphs: Optional[int] = None) -> None:
-    """fusepass's counters since the test began: exactly `rewrites` fused ops in use, no graph fell back,
-    and, if given, exactly `graphs` graphs compiled."""
+def assert_fused(rewrites: int, graphs: Optional[int] = None, linears: Optional[int] = None) -> None:
+    """fusepass's counters since the test began: exactly `rewrites` fused chains in use, no graph fell
+    back, and, if given, exactly `graphs` graphs compiled and `linears` bare linears on fusepass's op."""
     stats = counters["fusepass"]
     assert stats["fallbacks"] == 0, f"{stats['fallbacks']} graph(s) fell back: {dict(stats)}"
     assert stats["rewrites"] == rewrites, f"expected {rewrites} rewrite(s): {dict(stats)}"
+    if linears is not None:
+        assert stats["linears"] == linears, f"expected {linears} bare linear(s): {dict(stats)}"
     if graphs is not None:
         assert stats["graphs"] == graphs, f"expected {graphs} graph(s): {dict(stats)}"
 

@@ -62,4 +62,4 @@ def _shape(node: Node) -> tuple:
     return tuple(meta_value(node).shape)
 
 
-FAMILY = ChainFamily(head=(), anchor=LINEAR, tail=(), replace=replace, describe=describe)
+FAMILY = ChainFamily(head=(), anchor=LINEAR, tail=(), replace=replace, describe=describe, counter="linears")
