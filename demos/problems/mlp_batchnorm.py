@@ -22,7 +22,7 @@ class Model(nn.Module):
 batch_size = 4096
 in_features = 1024
 out_features = 256
-hidden_features = [4096, 4096, out_features]
+hidden_features = [4 * in_features, 4 * in_features, out_features]  # follows --size and --shrink
 
 
 def get_inputs():

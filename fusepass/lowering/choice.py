@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from fusepass.lowering import gemm
+from fusepass.lowering import gemm, tuning
 from fusepass.lowering.implementations import on_cublas, on_triton_gemm
 from fusepass.lowering.launch import real_tensors
 from fusepass.lowering.schema import FLAT_NAMES, ChainArgs, ChainOutputs, flatten, unflatten
@@ -47,7 +47,8 @@ def gemm_choice(args: ChainArgs) -> str:
 
 
 def implementations(args: ChainArgs, precision: str, traced: bool = False) -> dict[str, Implementation]:
-    """Every way to run the op for these arguments, by name, the default first. Plain fp32 FMA ("ieee")
+    """Every way to run the op for these arguments that the tuner's search times (tuning.search: the
+    short search takes each precision's gemm.shortlist), by name, the default first. Plain fp32 FMA ("ieee")
     is cuBLAS's alone, whatever the gemm option says, and so are problems too large for the GEMM
     kernel's 32-bit offsets. TMA tile configs are offered where the operands allow descriptors.
     `traced`: only those that can run inside Inductor's graph (may be none; see cublas_traceable)."""
@@ -61,7 +62,10 @@ def implementations(args: ChainArgs, precision: str, traced: bool = False) -> di
         # operands' addresses (so their alignment) are not known yet.
         tma = not traced and gemm.tma_usable(x, weight)
         for p in precisions:
-            for config in gemm.gemm_configs(p, x.dtype):
+            configs = gemm.gemm_configs(p, x.dtype)
+            if tuning.search() != "full":
+                configs = gemm.shortlist(configs, x.shape[0], weight.shape[0], x.device)
+            for config in configs:
                 if tma or not config.tma:
                     candidates[f"triton {p} {config.describe()}"] = functools.partial(
                         on_triton_gemm, precision=p, config=config)

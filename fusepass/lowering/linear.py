@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from fusepass.lowering import gemm
+from fusepass.lowering import gemm, tuning
 from fusepass.lowering.choice import TRITON_GEMM_DTYPES, cublas_traceable, fits_int32_offsets, matmul_precision
 from fusepass.lowering.implementations import cublas_precision
 from fusepass.lowering.launch import OPAQUE_ENV, real_tensors
@@ -159,21 +159,32 @@ def choose(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: Kernel, tr
 
 
 def implementations(x: Tensor, weight: Tensor, precision: str, gemm_choice: str, traced: bool) -> dict[str, Runner]:
-    """Every way to run this linear, the default first: the Triton GEMM in the call's precision (in
-    fp32 3xTF32 also with the smaller operand split in memory), and with operands whose K is not
-    contiguous also on contiguous copies of them (tensor cores read K-major tiles); cuBLAS at the same
-    precision where it can run traced. Never empty: cuBLAS untraced always runs."""
+    """Every way to run this linear that the tuner's search times (tuning.search), the default first: the
+    Triton GEMM in the call's precision (in fp32 3xTF32 also with the smaller operand split in memory)
+    and cuBLAS at the same precision where it can run traced. Never empty: cuBLAS untraced always runs.
+
+    Operands whose K is not contiguous (a backward's transposed views) start with the pre-split 3xTF32,
+    which reads the split operand K-major from memory: 88-102 TFLOP/s on an H100 where 3xTF32 split in
+    registers made 39 (tools/tune_linear.py at 1024 x 8192 -> 8192 and 16384 x 4096 -> 4096). The full
+    search also times that, and the GEMM on K-major copies of the operands."""
     candidates: dict[str, Runner] = {}
+    search = tuning.search()
     if gemm_choice in ("auto", "triton") and precision != "ieee" and fits_int32_offsets(x, weight.shape[0]):
-        precisions = [precision] + (["split_x" if x.numel() < weight.numel() else "split_w"]
-                                    if precision == "tf32x3" else [])
+        k_major = _k_major(x) and _k_major(weight)
+        precisions = [precision]
+        if precision == "tf32x3":
+            pre_split = "split_x" if x.numel() < weight.numel() else "split_w"
+            precisions = [precision, pre_split] if k_major else [pre_split] + ([precision] if search == "full" else [])
         tma = not traced and gemm.tma_usable(x, weight)
         for p in precisions:
-            for config in gemm.gemm_configs(p, x.dtype):
+            configs = gemm.gemm_configs(p, x.dtype)
+            if search != "full":
+                configs = gemm.shortlist(configs, x.shape[0], weight.shape[0], x.device)
+            for config in configs:
                 if tma or not config.tma:
                     candidates[f"triton {p} {config.describe()}"] = functools.partial(
                         _on_triton_gemm, precision=p, config=config)
-        if not (_k_major(x) and _k_major(weight)):
+        if not k_major and search == "full":
             config = gemm.gemm_configs(precision, x.dtype)[0]
             candidates[f"triton {precision} {config.describe()} on K-major copies"] = functools.partial(
                 _on_triton_gemm, precision=precision, config=config, k_major_copies=True)

@@ -3,8 +3,12 @@ every candidate once, and remembers the choice in memory and on disk, so that a 
 tune again.
 
 The file is JSON, `$FUSEPASS_CACHE_DIR/tuning.json` (default `~/.cache/fusepass`), keyed by the GPU,
-the torch and triton versions, a hash of the kernels' source and the problem. FUSEPASS_TUNE=0 skips
-timing and takes each problem's first candidate (the heuristic default).
+the torch and triton versions, a hash of the kernels' source and the problem.
+
+How much is timed (FUSEPASS_TUNE): by default a short list per problem (the ops build it: each GEMM
+precision's first tile config, a small-tile config where the first's tiles would leave SMs idle, and
+cuBLAS; each Triton candidate costs a kernel compile, most of a compile's time); "full" times every
+candidate; "0" times nothing and takes each problem's first candidate (the heuristic default).
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ import triton
 log = logging.getLogger(__name__)
 CACHE_DIR_ENV = "FUSEPASS_CACHE_DIR"
 TUNE_ENV = "FUSEPASS_TUNE"
+
+
+def search() -> str:
+    """"off", "short" (default) or "full": how many candidates the ops offer for timing (FUSEPASS_TUNE)."""
+    value = os.environ.get(TUNE_ENV, "1")
+    return {"0": "off", "full": "full"}.get(value, "short")
 
 
 def cache_path() -> Path:
@@ -62,7 +72,7 @@ class Tuner:
                 self._choices[key] = choice
                 return choice
             first = next(iter(candidates))
-            if os.environ.get(TUNE_ENV, "1") == "0" or capturing(device):
+            if search() == "off" or capturing(device):
                 return first  # timing inside a CUDA graph capture is impossible; not remembered
             times = _time_candidates(candidates)
             self.timings[problem] = times

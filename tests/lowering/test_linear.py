@@ -36,20 +36,35 @@ def test_triton_gemm_on_each_layout_no_further_from_float64_than_eager(layout, p
                                        F.linear(a.double(), b.double()))
 
 
+@pytest.mark.parametrize("search", ["off", "short", "full"])
 @pytest.mark.parametrize("traced", [False, True])
-def test_candidates(traced):
+def test_candidates(traced, search, monkeypatch):
+    monkeypatch.setenv("FUSEPASS_TUNE", {"off": "0", "short": "1", "full": "full"}[search])
     a, b = _operands("grad_weight", 64, 64, 64, seed=0)
     names = list(linear.implementations(a, b, "tf32x3", "auto", traced))
-    assert names[0].startswith("triton tf32x3 ")
-    assert any(n.startswith("triton split_") for n in names)
-    assert any(n.endswith("on K-major copies") for n in names)
+    assert names[0].startswith("triton split_w ")  # the fast default for transposed operands
     assert names[-1] == "cublas"
     assert not any(" tma" in n for n in names)  # transposed views cannot be TMA descriptors
+    full = search == "full"
+    assert any(n.startswith("triton tf32x3") for n in names) == full
+    assert any(n.endswith("on K-major copies") for n in names) == full
     forward = list(linear.implementations(*_operands("forward", 64, 64, 64, seed=0), "tf32x3", "auto", traced))
+    assert forward[0].startswith("triton tf32x3 ") and any(n.startswith("triton split_") for n in forward)
     assert not any(n.endswith("on K-major copies") for n in forward)
+    assert len(forward) > len(names) - full * 2
     assert list(linear.implementations(a, b, "ieee", "auto", traced)) == ["cublas"]
     assert list(linear.implementations(a, b, "tf32x3", "cublas", traced)) == ["cublas"]
     assert "cublas" not in linear.implementations(a, b, "tf32x3", "triton", traced)
+
+
+def test_short_search_times_fewer_configs_and_small_tiles_only_where_sms_idle():
+    configs = gemm.gemm_configs("native", torch.bfloat16)
+    cuda = torch.device("cuda")
+    many_tiles = gemm.shortlist(configs, 8192, 8192, torch.device("cpu"))
+    assert many_tiles == [configs[0], configs[0].with_tma()]
+    if torch.cuda.is_available():
+        few_tiles = gemm.shortlist(configs, 128, 512, cuda)
+        assert few_tiles[:2] == many_tiles and few_tiles[2].block_m == 64 and len(few_tiles) == 3
 
 
 def test_op_on_cpu_is_eager_linear_with_its_gradients():
