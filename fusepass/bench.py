@@ -211,10 +211,22 @@ def make_provider(name: str, model: torch.nn.Module) -> Callable:
     if name == "max-autotune":
         return torch.compile(model, mode="max-autotune-no-cudagraphs")
     if name == "inductor-cudagraphs":
-        return torch.compile(model, mode="reduce-overhead")
+        return _a_step_per_call(torch.compile(model, mode="reduce-overhead"), model)
     if name == "fusepass-cudagraphs":
-        return torch.compile(model, backend="fusepass", mode="reduce-overhead")
+        return _a_step_per_call(torch.compile(model, backend="fusepass", mode="reduce-overhead"), model)
     raise BenchError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
+
+
+def _a_step_per_call(compiled: Callable, model: torch.nn.Module) -> Callable:
+    """A CUDA-graph model called the way a training loop calls it: each call begins a new step
+    (torch.compiler.cudagraph_mark_step_begin), whose replay may overwrite the previous step's outputs,
+    and first drops the previous step's gradients (as optimizer.zero_grad() does), which live in memory
+    the backward's replay overwrites: accumulating into them fails (do_bench's warm-up calls keep them)."""
+    def call(*inputs):
+        torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)
+        return compiled(*inputs)
+    return call
 
 
 def provider_call(fn: Callable, inputs: list, *, mode: str, precision: str, device: str, backward: bool = False,
@@ -377,9 +389,14 @@ class Run:
                 continue
             progress(f"{provider}: timing")
             fn = self.provider_call(provider, inputs)
-            with counting_fusepass(result):
-                times = measure(fn, self.cfg, list(self.models[provider].parameters()))
-                peak_mb = peak_memory_mb(fn, self.cfg.device)
+            try:
+                with counting_fusepass(result):
+                    times = measure(fn, self.cfg, list(self.models[provider].parameters()))
+                    peak_mb = peak_memory_mb(fn, self.cfg.device)
+            except Exception as exc:  # a provider that crashes while timed is wrong, not a reason to stop
+                result.failure = f"while timing: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                result.correct = False
+                continue
             result.failure = fallback_failure(result)
             if result.failure:  # a recompilation while timing fell back
                 result.correct = False

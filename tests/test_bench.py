@@ -273,3 +273,33 @@ def test_gpu_tools_parse_arguments_on_any_machine(tool):
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--size N,K,F" in result.stdout and "--precision" in result.stdout
+
+
+def test_cuda_graph_providers_begin_a_step_per_call(monkeypatch):
+    """As a training loop does: each call marks a new CUDA-graph step and drops the last step's
+    gradients, so that back-to-back training steps may overwrite the previous step's graph-owned memory."""
+    steps = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
+    model = torch.nn.Linear(4, 3)
+    for provider in ("inductor-cudagraphs", "fusepass-cudagraphs"):
+        fn = bench.make_provider(provider, model)
+        for _ in range(3):
+            fn(torch.randn(2, 4)).sum().backward()
+            assert model.weight.grad is not None
+        fn(torch.randn(2, 4))
+        assert model.weight.grad is None
+    assert len(steps) == 8
+    bench.make_provider("inductor", model)(torch.randn(2, 4))
+    assert len(steps) == 8
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_training_steps_are_checked_and_timed(tmp_path):
+    out_json = tmp_path / "bench.json"
+    status = bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), "--device", "cuda", "--shrink", "32", *TIMING,
+                         "--backward", "--providers", "eager", "inductor-cudagraphs", "fusepass-cudagraphs",
+                         "--json", str(out_json)])
+    assert status == 0
+    results = json.loads(out_json.read_text())["results"]
+    assert all(r["correct"] and r["median_ms"] > 0 for r in results)

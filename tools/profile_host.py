@@ -1,6 +1,6 @@
 """Where a compiled model's time goes, per provider: host time per call (calls queued without
 synchronizing, so this is CPU work alone), wall time per call, the CUDA kernels one call launches
-(torch.profiler), and for fusepass a cProfile of the host side.
+(torch.profiler), and for compiled providers a cProfile of the host side.
 
     python tools/profile_host.py demos/problems/gemm_scale_batchnorm.py --size 1024,8192,8192 --mode train \
         --precision bf16-autocast [--backward] [--providers eager inductor fusepass]
@@ -76,7 +76,7 @@ def main() -> None:
         host, wall = per_call_us(call, args.calls)
         print(f"\n=== {provider}: host {host:.1f} us/call, wall {wall:.1f} us/call")
         print(kernel_table(call, 10))
-        if provider.startswith("fusepass"):
+        if provider != "eager":
             print(host_profile(call, args.calls))
 
 
