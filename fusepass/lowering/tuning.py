@@ -93,13 +93,13 @@ def _time_candidates(candidates: dict[str, Callable[[], Any]]) -> dict[str, floa
     for name, run in candidates.items():
         try:
             run()  # compiles; a config that does not fit the GPU fails here and is skipped
-            times[name] = _gpu_time(run)
+            times[name] = gpu_time(run)
         except Exception as exc:  # noqa: BLE001  (a candidate that cannot run is simply not chosen)
             log.info("fusepass tuning: candidate %s failed: %r", name, exc)
     return times
 
 
-def _gpu_time(run: Callable[[], Any]) -> float:
+def gpu_time(run: Callable[[], Any]) -> float:
     """Median ms of the GPU work alone, replayed from a CUDA graph. Timed back to back from Python, a
     candidate whose launches take longer on the host than its kernels on the GPU would be judged by its
     host time, which varies with the machine's load (at compile time, Inductor's compile workers) and

@@ -106,7 +106,7 @@ def test_candidates_are_timed_from_a_cuda_graph(monkeypatch):
 
     monkeypatch.setattr(triton.testing, "do_bench", no_fallback)
     x = torch.randn(512, 512, device="cuda")
-    assert 0 < tuning._gpu_time(lambda: (x @ x).relu()) < 1.0
+    assert 0 < tuning.gpu_time(lambda: (x @ x).relu()) < 1.0
 
 
 @requires_cuda
