@@ -40,6 +40,7 @@ import torch
 import triton
 from tabulate import tabulate
 from torch._dynamo.utils import counters
+from torch.utils.flop_counter import FlopCounterMode
 
 from fusepass.lowering.tuning import TUNER
 from fusepass.numerics import no_further_than_eager, rel_error
@@ -68,6 +69,7 @@ class Result:
     precision: str
     provider: str
     size: Optional[list[int]] = None  # [batch, in_features, out_features] as run: None if the input is not 2-D
+    forward_flop: Optional[int] = None  # the model's forward FLOP at this size (torch's FLOP counter)
     correct: bool = False
     max_abs_error: float = math.nan  # worst over the seeds, to the float64 model
     rel_error: float = math.nan  # worst ||out - ref|| / ||ref|| over the seeds
@@ -295,10 +297,10 @@ class Run:
     def check(self, progress: Callable[[str], None]) -> None:
         for seed in range(self.cfg.seeds):
             inputs = problem_inputs(self.module, self.cfg.device, INPUT_SEED + seed)
-            with torch.set_grad_enabled(self.cfg.backward or self.mode == "train"):
+            with torch.set_grad_enabled(self.cfg.backward or self.mode == "train"), FlopCounterMode(display=False) as flop:
                 ref_out = self.reference(*to_device(inputs, self.cfg.device, torch.float64))
             if seed == 0:
-                self._record_size(inputs, ref_out)
+                self._record_size(inputs, ref_out, flop.get_total_flops())
             upstream = torch.randn(ref_out.shape, device=self.cfg.device, dtype=torch.float64)
             if self.cfg.backward:
                 (ref_out * upstream).sum().backward()
@@ -314,7 +316,9 @@ class Run:
                 model.zero_grad(set_to_none=True)
         self._verdicts()
 
-    def _record_size(self, inputs: list, out: torch.Tensor) -> None:
+    def _record_size(self, inputs: list, out: torch.Tensor, forward_flop: int) -> None:
+        for result in self.results.values():
+            result.forward_flop = forward_flop
         first = inputs[0] if inputs else None
         if isinstance(first, torch.Tensor) and first.dim() == 2 and out.dim() == 2:
             for result in self.results.values():

@@ -73,6 +73,7 @@ def test_cli_backward_checks_gradients(tmp_path):
     results = json.loads(out_json.read_text())["results"]
     assert [r["provider"] for r in results] == ["eager", "fusepass"]  # eager is always the baseline
     assert all(r["size"] == [32, 256, 256] for r in results)  # --shrink divides --size's sizes
+    assert all(r["forward_flop"] == 2 * 32 * 256 * 256 for r in results)  # the one GEMM, counted by torch
     assert all(r["correct"] and r["grad_allclose"] and 0 < r["grad_rel_error"] < 1e-4 for r in results)
 
 

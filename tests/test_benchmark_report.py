@@ -98,9 +98,22 @@ def test_training_step_floor_counts_three_gemms(tmp_path):
     rows = [result("eager", 8.458), result("inductor", 6.344), result("fusepass", 4.229)]
     text = write_report(tmp_path, {"training": payload(rows, backward=True)})
     cells = table_line(text, "Training step", "gemm_scale_batchnorm 1024×8192→8192", "fp32")
-    assert cells[2:9] == ["8.458", "6.344", "-", "4.229", "2.00×", "1.50×", "-"]
-    assert cells[9:] == ["3.172", "75%"]  # 3 * 1.0572 ms over 4.229 ms
+    assert cells[2:7] == ["8.458", "6.344", "4.229", "2.00×", "1.50×"]
+    assert cells[7:11] == ["-"] * 4  # no CUDA-graph providers measured
+    assert cells[11:] == ["3.172", "75%"]  # 3 * 1.0572 ms over 4.229 ms
     assert "Not measured" in section_text(text, "Forward, fp32")  # a training step is not a forward
+
+
+def test_training_step_with_cuda_graphs_and_a_counted_flop_floor(tmp_path):
+    """A model whose GEMMs are not one N x K x F (the MLP) takes its floor from the bench's FLOP count."""
+    flop = 2 * 4096 * (1024 * 4096 + 4096 * 4096 + 4096 * 256)
+    rows = [result(p, ms, problem="mlp_batchnorm", size=[4096, 1024, 256], forward_flop=flop)
+            for p, ms in (("eager", 12.0), ("inductor", 10.0), ("fusepass", 6.0), ("inductor-cudagraphs", 9.0),
+                          ("fusepass-cudagraphs", 4.5))]
+    text = write_report(tmp_path, {"training": payload(rows, backward=True)})
+    cells = table_line(text, "Training step", "mlp_batchnorm 4096×1024→256", "fp32")
+    assert cells[2:11] == ["12.000", "10.000", "6.000", "2.00×", "1.67×", "9.000", "4.500", "2.67×", "2.00×"]
+    assert cells[11] == f"{3 * flop / 130e12 * 1e3:.3f}"
 
 
 def test_missing_provider_is_a_dash_and_a_wrong_one_says_so(tmp_path):
@@ -152,7 +165,7 @@ def test_small_shapes_and_unknown_gpu(tmp_path):
              for p, ms in (("eager", 0.05), ("fusepass", 0.1))]
     text = write_report(tmp_path, {"small": payload(small, device="NVIDIA H100 80GB HBM3")})
     cells = table_line(text, "Small shapes, 128×1024→512", "gemm_scale_batchnorm", "train")
-    assert cells[3:7] == ["0.050", "-", "-", "0.100"]
+    assert cells[1:3] == ["forward", "train"] and cells[4:8] == ["0.050", "-", "-", "0.100"]
     assert cells[-2:] == ["-", "-"]  # no measured rates for an H100: no floor
     assert "Not measured" in section_text(text, "Forward, fp32")
 
@@ -185,7 +198,7 @@ def test_run_commands_match_the_bench_cli():
         assert argv[1:3] == ["-m", "fusepass.bench"]
         problems, cfg, _ = bench.parse_args(argv[3:])
         assert all((ROOT / p).is_file() for p in problems)
-        assert cfg.providers[0] == "eager" and set(report.PROVIDERS) <= set(cfg.providers)
+        assert cfg.providers[0] == "eager" and {"eager", "inductor", "fusepass"} <= set(cfg.providers)
     assert {s.section for s in report.SPECS} == {s for call in report.DEVICE_CALLS for s in call}
 
 

@@ -43,8 +43,12 @@ THIS = "python tools/benchmark_report.py"
 
 SCALE_BN = "demos/problems/gemm_scale_batchnorm.py"  # 16384 x 4096 -> 4096
 SOFTMAX = "demos/problems/gemm_batchnorm_scale_softmax.py"  # 1024 x 8192 -> 8192
+MLP = "demos/problems/mlp_batchnorm.py"  # torchvision.ops.MLP(1024, [4096, 4096, 256]) with BatchNorm1d, batch 4096
 PROVIDERS = ("eager", "inductor", "max-autotune", "fusepass")
 CUDA_GRAPH_PROVIDERS = ("inductor-cudagraphs", "fusepass-cudagraphs")
+# Training steps are compared with eager and Inductor in both of Inductor's modes; max-autotune's cold
+# GEMM autotuning (57-114 s per training step) would take most of their device time.
+TRAINING_PROVIDERS = ("eager", "inductor", "fusepass") + CUDA_GRAPH_PROVIDERS
 # Fewer input draws and shorter timings than the bench's defaults (5 draws, 500 ms) keep the whole
 # run near 40 minutes on an H200, most of it compiling.
 TIMING = ("--seeds", "2", "--warmup", "50", "--rep", "200")
@@ -89,20 +93,23 @@ def forward_specs(precision: str, label: str, estimate_s: int, estimate_1024_s: 
 
 def training_specs(precision: str, label: str, estimate_s: int, estimate_1024_s: int) -> list[Spec]:
     section = f"training-step-{label}"
-    return [Spec(section, section, (SCALE_BN, SOFTMAX), ("train",), (precision,), estimate_s, backward=True),
+    return [Spec(section, section, (SCALE_BN, SOFTMAX, MLP), ("train",), (precision,), estimate_s, backward=True,
+                 providers=TRAINING_PROVIDERS),
             Spec(f"{section}-1024", section, (SCALE_BN,), ("train",), (precision,), estimate_1024_s,
-                 size="1024,8192,8192", backward=True)]
+                 size="1024,8192,8192", backward=True, providers=TRAINING_PROVIDERS)]
 
 
 SPECS: list[Spec] = [
     *forward_specs("fp32", "fp32", 230, 100),
     *forward_specs("tf32", "tf32", 220, 100),
     *forward_specs("bf16-autocast", "bf16", 220, 100),
-    *training_specs("fp32", "fp32", 240, 80),
-    *training_specs("tf32", "tf32", 240, 80),
-    *training_specs("bf16-autocast", "bf16", 240, 80),
+    *training_specs("fp32", "fp32", 200, 60),
+    *training_specs("tf32", "tf32", 200, 60),
+    *training_specs("bf16-autocast", "bf16", 200, 60),
     Spec("small-shapes", "small-shapes", (SCALE_BN, SOFTMAX), ("train", "eval"), ("fp32", "bf16-autocast"), 200,
          size="128,1024,512", providers=PROVIDERS + CUDA_GRAPH_PROVIDERS),
+    Spec("small-shapes-training", "small-shapes", (SCALE_BN, SOFTMAX), ("train",), ("fp32", "bf16-autocast"), 150,
+         size="128,1024,512", backward=True, providers=TRAINING_PROVIDERS),
     # cold priming run (~190 s) + warm run (~40 s)
     Spec("compile-warm", "compile-warm", (SCALE_BN, SOFTMAX), ("train",), ("fp32", "bf16-autocast"), 230,
          timing=COMPILE_ONLY_TIMING, warm=True),
@@ -117,7 +124,8 @@ DEVICE_CALLS = [
     ("training-step-fp32",),
     ("training-step-tf32",),
     ("training-step-bf16",),
-    ("small-shapes", "compile-warm"),
+    ("small-shapes",),
+    ("compile-warm",),
 ]
 
 COLD_NOTE = ("empty Inductor (FX-graph, autotuning), Triton and fusepass tuning caches of its own: "
@@ -282,7 +290,7 @@ def measure_of(source: Source, size: Optional[tuple]) -> str:
     if source.report.get("section") in COMPILE_ONLY_SECTIONS:
         return "compile-only"
     if source.backward:
-        return "training-step"
+        return "small-shapes-training" if size == SMALL_SIZE else "training-step"
     return "small-shapes" if size == SMALL_SIZE else "forward"
 
 
@@ -339,15 +347,18 @@ def gpu_rates(device: str) -> Optional[dict]:
     return next((rates for model, rates in RATES.items() if model in device), None)
 
 
-def floor_ms(size: Optional[tuple], precision: str, device: str, training_step: bool) -> Optional[float]:
-    """The GEMMs (one in a forward, three in a training step) at the GPU's best measured rate, or a
-    forward's unavoidable traffic (x and W read as fp32, as the model holds them, the output written
-    once) at its copy bandwidth, whichever is longer. None where no rate is known."""
+def floor_ms(size: Optional[tuple], precision: str, device: str, training_step: bool,
+             forward_flop: Optional[int] = None) -> Optional[float]:
+    """The GEMMs (once in a forward, three times in a training step: the forward's, dX's and dW's) at
+    the GPU's best measured rate, or a forward's unavoidable traffic (x and W read as fp32, as the model
+    holds them, the output written once) at its copy bandwidth, whichever is longer. The GEMM FLOP are
+    the bench's count of the model's forward (`forward_flop`), else 2·N·K·F. None where no rate is known."""
     rates = gpu_rates(device)
     if size is None or rates is None or precision not in rates["gemm"]:
         return None
     n, k, f = size
-    gemm_s = 2 * n * k * f * (3 if training_step else 1) / rates["gemm"][precision]
+    flop = forward_flop or 2 * n * k * f
+    gemm_s = flop * (3 if training_step else 1) / rates["gemm"][precision]
     traffic_s = 0.0 if training_step else (4 * (n * k + f * k) + OUT_BYTES[precision] * n * f) / rates["copy"]
     return max(gemm_s, traffic_s) * 1e3
 
@@ -399,7 +410,8 @@ def problem_cell(problem: str, size: Optional[tuple]) -> str:
 def floor_cells(providers: dict[str, Row], training_step: bool) -> list[str]:
     fused = providers.get("fusepass")
     any_row = fused or next(iter(providers.values()))
-    floor = floor_ms(any_row.size, any_row.result["precision"], any_row.source.env["device"], training_step)
+    floor = floor_ms(any_row.size, any_row.result["precision"], any_row.source.env["device"], training_step,
+                     any_row.result.get("forward_flop"))
     if floor is None:
         return [MISSING, MISSING]
     reached = f"{floor / fused.result['median_ms']:.0%}" if fused and fused.usable else MISSING
@@ -444,32 +456,46 @@ def forward_table(rows: list[Row], precision: str) -> Optional[str]:
 
 
 def training_table(rows: list[Row]) -> Optional[str]:
+    """Training steps in both of Inductor's modes: default, and reduce-overhead (CUDA graphs)."""
     cases = by_case(r for r in rows if r.measure == "training-step")
-    lines = [[problem_cell(case[0], case[1]), case[3], *time_cells(providers, training_step=True)]
-             for case, providers in cases.items()]
-    return markdown(lines, ["problem", "precision", *TIME_HEADERS]) if lines else None
+    lines = [[problem_cell(case[0], case[1]), case[3], *graph_mode_cells(providers),
+              *floor_cells(providers, training_step=True)] for case, providers in cases.items()]
+    return markdown(lines, ["problem", "precision", *GRAPH_MODE_HEADERS, "floor ms", "of floor"]) if lines else None
+
+
+GRAPH_MODE_HEADERS = ["eager ms", "Inductor ms", "fusepass ms", "vs eager", "vs Inductor", "Inductor + graphs ms",
+                      "fusepass + graphs ms", "+ graphs vs eager", "+ graphs vs Inductor + graphs"]
+
+
+def graph_mode_cells(providers: dict[str, Row]) -> list[str]:
+    fused, graphs = providers.get("fusepass"), providers.get("fusepass-cudagraphs")
+    return [*(ms_cell(providers.get(p)) for p in ("eager", "inductor", "fusepass")),
+            ratio_cell(providers.get("eager"), fused), ratio_cell(providers.get("inductor"), fused),
+            *(ms_cell(providers.get(p)) for p in CUDA_GRAPH_PROVIDERS),
+            ratio_cell(providers.get("eager"), graphs), ratio_cell(providers.get("inductor-cudagraphs"), graphs)]
 
 
 def small_table(rows: list[Row]) -> Optional[str]:
-    cases = by_case(r for r in rows if r.measure == "small-shapes")
-    lines = [[problem_cell(case[0], None), case[2], case[3], *time_cells(providers)]
-             for case, providers in cases.items()]
-    return markdown(lines, ["problem", "mode", "precision", *TIME_HEADERS]) if lines else None
+    lines = []
+    for measure, what in (("small-shapes", "forward"), ("small-shapes-training", "training step")):
+        for case, providers in by_case(r for r in rows if r.measure == measure).items():
+            lines.append([problem_cell(case[0], None), what, case[2], case[3], *time_cells(providers)])
+    return markdown(lines, ["problem", "measure", "mode", "precision", *TIME_HEADERS]) if lines else None
 
 
 def cuda_graph_table(rows: list[Row]) -> Optional[str]:
-    cases = by_case(r for r in rows if r.measure == "small-shapes")
     lines = []
-    for (problem, _, mode, precision), providers in cases.items():
-        if not any(p in providers for p in CUDA_GRAPH_PROVIDERS):
-            continue
-        graphs = providers.get("fusepass-cudagraphs")
-        lines.append([problem, mode, precision,
-                      *(ms_cell(providers.get(p)) for p in ("inductor", "inductor-cudagraphs", "fusepass",
-                                                            "fusepass-cudagraphs")),
-                      ratio_cell(providers.get("inductor-cudagraphs"), graphs),
-                      ratio_cell(providers.get("inductor"), graphs)])
-    headers = ["problem", "mode", "precision", "Inductor ms", "Inductor + graphs ms", "fusepass ms",
+    for measure, what in (("small-shapes", "forward"), ("small-shapes-training", "training step")):
+        for (problem, _, mode, precision), providers in by_case(r for r in rows if r.measure == measure).items():
+            if not any(p in providers for p in CUDA_GRAPH_PROVIDERS):
+                continue
+            graphs = providers.get("fusepass-cudagraphs")
+            lines.append([problem, what, mode, precision,
+                          *(ms_cell(providers.get(p)) for p in ("inductor", "inductor-cudagraphs", "fusepass",
+                                                                "fusepass-cudagraphs")),
+                          ratio_cell(providers.get("inductor-cudagraphs"), graphs),
+                          ratio_cell(providers.get("inductor"), graphs)])
+    headers = ["problem", "measure", "mode", "precision", "Inductor ms", "Inductor + graphs ms", "fusepass ms",
                "fusepass + graphs ms", "fusepass + graphs vs Inductor + graphs", "vs Inductor"]
     return markdown(lines, headers) if lines else None
 
@@ -604,10 +630,13 @@ def render(sources: list[Source], kept: str) -> str:
     for precision, title in (("fp32", "fp32"), ("tf32", "tf32"), ("bf16-autocast", "bf16 autocast")):
         parts += section(f"Forward, {title}", f"Forward of the model, `--precision {precision}`, train and eval "
                          "modes.", forward_table(rows, precision))
-    parts += section("Training step", "Forward + backward in train mode (`--backward`); the floor counts three "
-                     "GEMMs.", training_table(rows))
-    parts += section("Small shapes, 128×1024→512", "Both problems at `--size 128,1024,512`. Their floor is about a "
-                     "microsecond: these times are launch and host overhead.", small_table(rows))
+    parts += section("Training step", "Forward + backward in train mode (`--backward`), in Inductor's default mode "
+                     "and with CUDA graphs (`mode=\"reduce-overhead\"`; each call a new step, as a training loop "
+                     "runs it); the floor counts three GEMMs per linear (forward, dX, dW) at fusepass's precision, "
+                     "and \"of floor\" is against fusepass's default mode.", training_table(rows))
+    parts += section("Small shapes, 128×1024→512", "Both problems at `--size 128,1024,512`, forwards and training "
+                     "steps. Their floor is a few microseconds: these times are launch and host overhead.",
+                     small_table(rows))
     graphs = cuda_graph_table(rows)
     if graphs:
         parts += ["With CUDA graphs (`mode=\"reduce-overhead\"`), from the same runs:", "", graphs, ""]

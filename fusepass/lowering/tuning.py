@@ -100,15 +100,31 @@ def _time_candidates(candidates: dict[str, Callable[[], Any]]) -> dict[str, floa
 
 
 def gpu_time(run: Callable[[], Any]) -> float:
-    """Median ms of the GPU work alone, replayed from a CUDA graph. Timed back to back from Python, a
-    candidate whose launches take longer on the host than its kernels on the GPU would be judged by its
-    host time, which varies with the machine's load (at compile time, Inductor's compile workers) and
-    mostly vanishes once Inductor launches the kernels itself."""
+    """Median ms of the GPU work alone, with the L2 cache flushed before each call as the benchmark's
+    do_bench does: replayed from a CUDA graph that flushes and runs, less one that only flushes.
+    Timed back to back from Python, a candidate whose launches take longer on the host than its
+    kernels on the GPU would be judged by its host time, which varies with the machine's load (at
+    compile time, Inductor's compile workers) and mostly vanishes once Inductor launches the kernels
+    itself. Without the flush, operands that fit in L2 favour some kernels: a bf16 Triton GEMM on
+    transposed operands measured 0.050 ms against cuBLAS's 0.049, and 0.122 against 0.048 flushed
+    (H100, 4096 x 4096 @ 4096 x 1024, tools/tune_linear.py)."""
+    cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
     try:
-        return triton.testing.do_bench_cudagraph(run, rep=40, return_mode="median")
-    except Exception as exc:  # noqa: BLE001  (not capturable: time it from Python)
+        flushed = triton.testing.do_bench_cudagraph(lambda: (cache.zero_(), run()), rep=40, return_mode="median")
+        return max(flushed - _flush_ms(cache), 0.0)
+    except Exception as exc:  # noqa: BLE001  (not capturable: time it from Python, which flushes too)
         log.info("fusepass tuning: CUDA-graph timing failed (%r); timing from Python", exc)
         return triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
+
+
+_FLUSH_MS: dict[tuple, float] = {}
+
+
+def _flush_ms(cache: torch.Tensor) -> float:
+    key = (cache.device, cache.numel())
+    if key not in _FLUSH_MS:
+        _FLUSH_MS[key] = triton.testing.do_bench_cudagraph(cache.zero_, rep=40, return_mode="median")
+    return _FLUSH_MS[key]
 
 
 def _read_cache() -> dict[str, str]:
