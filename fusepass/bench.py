@@ -192,12 +192,14 @@ def to_device(values, device, dtype=None):
 
 
 @contextlib.contextmanager
-def precision_context(precision: str, device: str):
-    """fp32 keeps PyTorch's default 'highest' matmul precision; tf32 allows TF32 everywhere."""
+def precision_context(precision: str, device: str, backward: bool = False):
+    """fp32 keeps PyTorch's default 'highest' matmul precision; tf32 allows TF32 everywhere. With
+    `backward`, only the matmul precision, which a backward follows as much as a forward (a user who
+    allows TF32 allows it for the whole step); autocast wraps forwards only, as PyTorch advises."""
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
     try:
-        if precision.endswith("-autocast"):
+        if precision.endswith("-autocast") and not backward:
             dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
             with torch.autocast(device, dtype=dtype):
                 yield
@@ -246,7 +248,8 @@ def provider_call(fn: Callable, inputs: list, *, mode: str, precision: str, devi
         with precision_context(precision, device), torch.set_grad_enabled(grad):
             out = fn(*inputs)
         if backward:
-            (out.float() * (upstream if upstream is not None else 1.0)).sum().backward()
+            with precision_context(precision, device, backward=True):
+                (out.float() * (upstream if upstream is not None else 1.0)).sum().backward()
         return out
 
     return call

@@ -304,3 +304,26 @@ def test_cuda_graph_training_steps_are_checked_and_timed(tmp_path):
     assert status == 0
     results = json.loads(out_json.read_text())["results"]
     assert all(r["correct"] and r["median_ms"] > 0 for r in results)
+
+
+def test_a_tf32_training_step_keeps_tf32_in_its_backward():
+    """A user who allows TF32 allows it for the whole step; autocast wraps the forward only."""
+    seen = {}
+
+    class Record(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen["forward"] = (torch.get_float32_matmul_precision(), torch.is_autocast_enabled("cpu"))
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen["backward"] = (torch.get_float32_matmul_precision(), torch.is_autocast_enabled("cpu"))
+            return grad
+
+    x = torch.randn(3, requires_grad=True)
+    for precision, forward, backward in (("tf32", ("high", False), ("high", False)),
+                                         ("bf16-autocast", ("highest", True), ("highest", False))):
+        bench.provider_call(Record.apply, [x], mode="train", precision=precision, device="cpu", backward=True)()
+        assert seen == {"forward": forward, "backward": backward}
+    assert torch.get_float32_matmul_precision() == "highest"
