@@ -62,6 +62,8 @@ def test_short_search_times_fewer_configs_and_small_tiles_only_where_sms_idle():
     cuda = torch.device("cuda")
     many_tiles = gemm.shortlist(configs, 8192, 8192, torch.device("cpu"))
     assert many_tiles == [configs[0], configs[0].with_tma()]
+    split = gemm.gemm_configs("split_x", torch.float32)  # one tile shape at two pipeline depths: all kept
+    assert gemm.shortlist(split, 8192, 8192, torch.device("cpu")) == split
     if torch.cuda.is_available():
         few_tiles = gemm.shortlist(configs, 128, 512, cuda)
         assert few_tiles[:2] == many_tiles and few_tiles[2].block_m == 64 and len(few_tiles) == 3
