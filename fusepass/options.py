@@ -10,7 +10,8 @@ from typing import Any, Optional
 import torch._inductor
 from torch._inductor import config as inductor_config
 
-from fusepass.families import FAMILIES, bare_linear
+from fusepass.families import FAMILIES
+from fusepass.families.bare_linear import FAMILY as BARE_LINEAR
 from fusepass.lowering.schema import Kernel
 from fusepass.lowering.tuning import source_hash
 
@@ -68,7 +69,7 @@ class Options:
         cuBLAS fp32: not with fp32_matmul='ieee'."""
         if self.bare_linear and self.kernel.fp32_matmul != "ieee":
             return FAMILIES
-        return tuple(f for f in FAMILIES if f is not bare_linear.FAMILY)
+        return tuple(f for f in FAMILIES if f is not BARE_LINEAR)
 
 
 def _inductor_patches(options: dict[str, Any]) -> dict[str, Any]:
