@@ -70,7 +70,7 @@ def meta_value(node: Any) -> Any:
     return node.meta.get("val", node.meta.get("example_value"))
 
 
-def bind_arguments(node: Node, names: tuple[str, ...], defaults: dict[str, Any]) -> dict[str, Any]:
+def _bind(node: Node, names: tuple[str, ...], defaults: dict[str, Any]) -> dict[str, Any]:
     """Maps a call's positional and keyword arguments onto parameter names."""
     if len(node.args) > len(names):
         raise NoMatch(f"{node.name}: unexpected extra arguments")
@@ -93,7 +93,7 @@ def _is_call(node: Any, targets: tuple) -> bool:
     )
 
 
-def check_tensor(node: Node, what: str, ndim: Optional[int] = None) -> torch.Tensor:
+def _check_tensor(node: Node, what: str, ndim: Optional[int] = None) -> torch.Tensor:
     value = meta_value(node)
     if not isinstance(value, torch.Tensor):
         raise NoMatch(f"{what} `{node.name}` has no recorded tensor metadata")
@@ -122,9 +122,9 @@ def _describe(node: Any) -> str:
 
 
 def parse_linear(node: Node) -> list[tuple[LinearArgs, Optional[Node]]]:
-    args = bind_arguments(node, ("input", "weight", "bias"), {"bias": None})
-    check_tensor(args["input"], "linear input", ndim=2)
-    check_tensor(node, "linear output", ndim=2)
+    args = _bind(node, ("input", "weight", "bias"), {"bias": None})
+    _check_tensor(args["input"], "linear input", ndim=2)
+    _check_tensor(node, "linear output", ndim=2)
     return [(LinearArgs(args["input"], args["weight"], args["bias"]), None)]
 
 
@@ -140,7 +140,7 @@ def _scale_like(operand: Any, n_features: int) -> bool:
 
 
 def parse_scale(node: Node) -> list[tuple[ScaleArgs, Optional[Node]]]:
-    args = bind_arguments(node, ("input", "other"), {})
+    args = _bind(node, ("input", "other"), {})
     interpretations = []
     for chain, scale in ((args["input"], args["other"]), (args["other"], args["input"])):
         chain_value = meta_value(chain)
@@ -159,8 +159,8 @@ def parse_batch_norm(node: Node) -> list[tuple[BatchNormArgs, Optional[Node]]]:
     names = tuple(inspect.signature(F.batch_norm).parameters)
     defaults = {k: p.default for k, p in inspect.signature(F.batch_norm).parameters.items()
                 if p.default is not inspect.Parameter.empty}
-    args = bind_arguments(node, names, defaults)
-    check_tensor(args["input"], "batch_norm input", ndim=2)
+    args = _bind(node, names, defaults)
+    _check_tensor(args["input"], "batch_norm input", ndim=2)
     if not isinstance(args["training"], bool):
         raise NoMatch(f"`{node.name}`: training flag is not a constant")
     if not all(isinstance(args[k], (int, float)) for k in ("momentum", "eps")):
@@ -178,8 +178,8 @@ def parse_batch_norm(node: Node) -> list[tuple[BatchNormArgs, Optional[Node]]]:
 
 def parse_softmax(node: Node) -> list[tuple[SoftmaxArgs, Optional[Node]]]:
     names = ("input", "dim", "_stacklevel", "dtype") if node.target is F.softmax else ("input", "dim", "dtype")
-    args = bind_arguments(node, names, {"dim": None, "_stacklevel": 3, "dtype": None})
-    check_tensor(args["input"], "softmax input", ndim=2)
+    args = _bind(node, names, {"dim": None, "_stacklevel": 3, "dtype": None})
+    _check_tensor(args["input"], "softmax input", ndim=2)
     # dim=None on 2-D input is F.softmax's implicit dim 1.
     if args["dim"] not in (1, -1, None):
         raise NoMatch(f"`{node.name}`: softmax over dim {args['dim']}; only the last (feature) dim is fused")

@@ -17,25 +17,24 @@ import torch
 from torch.fx import Graph, Node
 
 from fusepass.lowering.schema import Kernel
-from fusepass.pattern import (LINEAR_TARGETS, ChainFamily, LinearArgs, Match, NoMatch, Step, bind_arguments,
-                              check_tensor, meta_value)
+from fusepass.pattern import LINEAR_TARGETS, ChainFamily, LinearArgs, Match, NoMatch, Step, meta_value, parse_linear
 
 FUSED_OP = torch.ops.fusepass.linear.default
 
 
 def parse_bare_linear(node: Node) -> list[tuple[LinearArgs, Optional[Node]]]:
-    args = bind_arguments(node, ("input", "weight", "bias"), {"bias": None})
-    check_tensor(args["input"], "linear input", ndim=2)
-    out = check_tensor(node, "linear output", ndim=2)
-    if out.dtype != torch.float32:
-        raise NoMatch(f"`{node.name}` is a {str(out.dtype).removeprefix('torch.')} linear: cuBLAS at eager's "
+    """The chain family's linear step, where eager's linear is plain fp32."""
+    [(args, chain_input)] = parse_linear(node)
+    dtype = meta_value(node).dtype
+    if dtype != torch.float32:
+        raise NoMatch(f"`{node.name}` is a {str(dtype).removeprefix('torch.')} linear: cuBLAS at eager's "
                       "precision already; left to Inductor")
-    if meta_value(args["input"]).dtype != torch.float32:
+    if meta_value(args.x).dtype != torch.float32:
         raise NoMatch(f"`{node.name}`: the linear's input is not float32")
     if torch.backends.cuda.matmul.allow_tf32:
         raise NoMatch(f"`{node.name}`: TF32 is allowed, so the fp32 linear runs on cuBLAS's TF32 as in eager; "
                       "left to Inductor")
-    return [(LinearArgs(args["input"], args["weight"], args["bias"]), None)]
+    return [(args, chain_input)]
 
 
 LINEAR = Step("linear", "linear", LINEAR_TARGETS, parse_bare_linear)

@@ -39,11 +39,14 @@ def matmul_precision(dtype: torch.dtype, fp32_matmul: str) -> str:
 
 
 def gemm_choice(args: ChainArgs) -> str:
+    return gemm_option(args.linear.x, args.linear.weight, args.kernel.gemm)
+
+
+def gemm_option(x: Tensor, weight: Tensor, gemm_option: str) -> str:
     """The kernel option `gemm`, except that dtypes the Triton GEMM lacks go to cuBLAS."""
-    x, weight = args.linear.x, args.linear.weight
     if x.dtype not in TRITON_GEMM_DTYPES or weight.dtype != x.dtype:
         return "cublas"
-    return args.kernel.gemm
+    return gemm_option
 
 
 def implementations(args: ChainArgs, precision: str, traced: bool = False) -> dict[str, Implementation]:
@@ -56,25 +59,33 @@ def implementations(args: ChainArgs, precision: str, traced: bool = False) -> di
     choice = gemm_choice(args)
     candidates = {}
     if choice in ("auto", "triton") and precision != "ieee" and fits_int32_offsets(x, weight.shape[0]):
-        precisions = [precision] + ([_pre_split_precision(x, weight)] if precision == "tf32x3" else [])
+        precisions = [precision] + ([pre_split_precision(x, weight)] if precision == "tf32x3" else [])
         # Traced, no TMA configs: torch does not capture TMA descriptors when it traces a wrap_triton
         # launch outside Dynamo ("not yet supported", torch 2.13's triton_kernel_wrap.py), and the
         # operands' addresses (so their alignment) are not known yet.
         tma = not traced and gemm.tma_usable(x, weight)
-        for p in precisions:
-            configs = gemm.gemm_configs(p, x.dtype)
-            if tuning.search() != "full":
-                configs = gemm.shortlist(configs, x.shape[0], weight.shape[0], x.device)
-            for config in configs:
-                if tma or not config.tma:
-                    candidates[f"triton {p} {config.describe()}"] = functools.partial(
-                        on_triton_gemm, precision=p, config=config)
+        candidates.update(triton_candidates(precisions, x, weight, tma, on_triton_gemm))
     if (choice in ("auto", "cublas") or not candidates) and (not traced or cublas_traceable(precision)):
         candidates["cublas"] = functools.partial(on_cublas, precision=precision)
     return candidates
 
 
-def _pre_split_precision(x: Tensor, weight: Tensor) -> str:
+def triton_candidates(precisions: list[str], x: Tensor, weight: Tensor, tma: bool,
+                      run: Callable) -> dict[str, Callable]:
+    """`run` bound to each precision and tile config that the tuner's search times (gemm.shortlist
+    unless the search is full), by name; TMA configs only where `tma`."""
+    candidates = {}
+    for p in precisions:
+        configs = gemm.gemm_configs(p, x.dtype)
+        if tuning.search() != "full":
+            configs = gemm.shortlist(configs, x.shape[0], weight.shape[0], x.device)
+        for config in configs:
+            if tma or not config.tma:
+                candidates[f"triton {p} {config.describe()}"] = functools.partial(run, precision=p, config=config)
+    return candidates
+
+
+def pre_split_precision(x: Tensor, weight: Tensor) -> str:
     """3xTF32 with the smaller operand split into tf32 hi + lo in memory, once per call (splitting the
     other, larger one cost up to 13% of the GEMM: 0.20 ms for W at 1024 x 8192 -> 8192 on an H200)."""
     return "split_x" if x.numel() < weight.numel() else "split_w"
@@ -154,13 +165,25 @@ def choose_implementation(args: ChainArgs, traced: bool = False) -> Optional[Imp
     if candidates:
         # Traced, the candidates run for real, on stand-ins made once (only if one must be timed).
         timed_args = functools.cache(lambda: stand_ins(args)) if traced else (lambda: args)
-        with real_tensors() if traced else contextlib.nullcontext():
-            name = TUNER.choose(key.describe(), args.linear.x.device,
-                                {name: _runner(run, timed_args) for name, run in candidates.items()})
+        name = tune(key.describe(), args.linear.x.device,
+                    {name: _runner(run, timed_args) for name, run in candidates.items()}, traced)
         chosen = candidates[name]
-    if not capturing(args.linear.x.device):  # a choice made during a CUDA graph capture was not timed
-        _CHOSEN[key] = chosen
+    remember(_CHOSEN, key, chosen, args.linear.x.device)
     return chosen
+
+
+def tune(problem: str, device: torch.device, runners: dict[str, Callable[[], object]], traced: bool) -> str:
+    """The tuner's choice among `runners` (each runs one candidate on real inputs). Traced, they run
+    outside the tracing modes, for real."""
+    with real_tensors() if traced else contextlib.nullcontext():
+        return TUNER.choose(problem, device, runners)
+
+
+def remember(table: dict, key, chosen, device: torch.device) -> None:
+    """Keeps a choice in a per-process table, unless it was made during a CUDA graph capture, where
+    nothing could be timed."""
+    if not capturing(device):
+        table[key] = chosen
 
 
 def _runner(run: Implementation, timed_args: Callable[[], ChainArgs]) -> Callable[[], ChainOutputs]:

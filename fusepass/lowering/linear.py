@@ -14,7 +14,6 @@ twin chooses when it runs; on CPU the twin is F.linear, eager's own.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from typing import Callable, NamedTuple, Optional
@@ -25,11 +24,12 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from fusepass.lowering import gemm, tuning
-from fusepass.lowering.choice import TRITON_GEMM_DTYPES, cublas_traceable, fits_int32_offsets, matmul_precision
+from fusepass.lowering.choice import (cublas_traceable, fits_int32_offsets, gemm_option, matmul_precision,
+                                      pre_split_precision, remember,
+                                      triton_candidates, tune)
 from fusepass.lowering.implementations import cublas_precision
-from fusepass.lowering.launch import OPAQUE_ENV, real_tensors
+from fusepass.lowering.launch import OPAQUE_ENV
 from fusepass.lowering.schema import Kernel, Linear
-from fusepass.lowering.tuning import TUNER, capturing
 
 OP_NAME = "fusepass::linear"
 Runner = Callable[[Tensor, Tensor, Optional[Tensor]], Tensor]
@@ -142,7 +142,7 @@ _CHOSEN: dict[LinearKey, Runner] = {}
 def choose(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: Kernel, traced: bool = False) -> Runner:
     """The fastest implementation for this problem: from the per-process table, else the tuner."""
     precision = matmul_precision(x.dtype, kernel.fp32_matmul)
-    gemm_choice = kernel.gemm if x.dtype in TRITON_GEMM_DTYPES else "cublas"
+    gemm_choice = gemm_option(x, weight, kernel.gemm)
     key = LinearKey((tuple(x.shape), tuple(weight.shape)), (_k_major(x), _k_major(weight)), x.dtype,
                     bias is not None, x.device, precision, gemm_choice, traced)
     chosen = _CHOSEN.get(key)
@@ -150,11 +150,8 @@ def choose(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: Kernel, tr
         return chosen
     candidates = implementations(x, weight, precision, gemm_choice, traced)
     inputs = functools.cache(lambda: _stand_ins(x, weight, bias)) if traced else (lambda: (x, weight, bias))
-    with real_tensors() if traced else contextlib.nullcontext():
-        name = TUNER.choose(key.describe(), x.device,
-                            {name: _timed(run, inputs) for name, run in candidates.items()})
-    if not capturing(x.device):
-        _CHOSEN[key] = candidates[name]
+    name = tune(key.describe(), x.device, {name: _timed(run, inputs) for name, run in candidates.items()}, traced)
+    remember(_CHOSEN, key, candidates[name], x.device)
     return candidates[name]
 
 
@@ -173,17 +170,10 @@ def implementations(x: Tensor, weight: Tensor, precision: str, gemm_choice: str,
         k_major = _k_major(x) and _k_major(weight)
         precisions = [precision]
         if precision == "tf32x3":
-            pre_split = "split_x" if x.numel() < weight.numel() else "split_w"
+            pre_split = pre_split_precision(x, weight)
             precisions = [precision, pre_split] if k_major else [pre_split] + ([precision] if search == "full" else [])
         tma = not traced and gemm.tma_usable(x, weight)
-        for p in precisions:
-            configs = gemm.gemm_configs(p, x.dtype)
-            if search != "full":
-                configs = gemm.shortlist(configs, x.shape[0], weight.shape[0], x.device)
-            for config in configs:
-                if tma or not config.tma:
-                    candidates[f"triton {p} {config.describe()}"] = functools.partial(
-                        _on_triton_gemm, precision=p, config=config)
+        candidates.update(triton_candidates(precisions, x, weight, tma, _on_triton_gemm))
         if not k_major and search == "full":
             config = gemm.gemm_configs(precision, x.dtype)[0]
             candidates[f"triton {precision} {config.describe()} on K-major copies"] = functools.partial(
