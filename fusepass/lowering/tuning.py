@@ -21,13 +21,16 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import triton
 
 log = logging.getLogger(__name__)
 CACHE_DIR_ENV = "FUSEPASS_CACHE_DIR"
+# do_bench_cudagraph replays a graph of about this many ms of calls ten times, so each candidate costs
+# ~0.1 s of a first compile (a cold fp32 training step's compile times about ten).
+TIMING_MS = 10
 TUNE_ENV = "FUSEPASS_TUNE"
 
 
@@ -61,6 +64,12 @@ class Tuner:
         self._choices: dict[str, str] = {}
         self._lock = threading.Lock()
         self.timings: dict[str, dict[str, float]] = {}  # problem -> candidate -> median ms, this process
+
+    def cached(self, problem: str, device: torch.device) -> Optional[str]:
+        """The choice remembered for `problem` (this process, or the disk cache), without timing."""
+        key = f"{environment_key(device)}|{problem}"
+        with self._lock:
+            return self._choices.get(key) or _read_cache().get(key)
 
     def choose(self, problem: str, device: torch.device, candidates: dict[str, Callable[[], Any]]) -> str:
         """The name of the fastest candidate for `problem`. Candidates are side-effect-free callables
@@ -110,11 +119,12 @@ def gpu_time(run: Callable[[], Any]) -> float:
     (H100, 4096 x 4096 @ 4096 x 1024, tools/tune_linear.py)."""
     cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
     try:
-        flushed = triton.testing.do_bench_cudagraph(lambda: (cache.zero_(), run()), rep=40, return_mode="median")
+        flushed = triton.testing.do_bench_cudagraph(lambda: (cache.zero_(), run()), rep=TIMING_MS,
+                                                    return_mode="median")
         return max(flushed - _flush_ms(cache), 0.0)
     except Exception as exc:  # noqa: BLE001  (not capturable: time it from Python, which flushes too)
         log.info("fusepass tuning: CUDA-graph timing failed (%r); timing from Python", exc)
-        return triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
+        return triton.testing.do_bench(run, warmup=TIMING_MS, rep=TIMING_MS, return_mode="median")
 
 
 _FLUSH_MS: dict[tuple, float] = {}
@@ -123,7 +133,7 @@ _FLUSH_MS: dict[tuple, float] = {}
 def _flush_ms(cache: torch.Tensor) -> float:
     key = (cache.device, cache.numel())
     if key not in _FLUSH_MS:
-        _FLUSH_MS[key] = triton.testing.do_bench_cudagraph(cache.zero_, rep=40, return_mode="median")
+        _FLUSH_MS[key] = triton.testing.do_bench_cudagraph(cache.zero_, rep=TIMING_MS, return_mode="median")
     return _FLUSH_MS[key]
 
 
