@@ -9,6 +9,7 @@ What the backend did is counted in `torch._dynamo.utils.counters["fusepass"]`:
 - "rewrites": fused chains in use. A graph's rewrites count once it has compiled, and are taken back
   out if its first call fails and it falls back, so a graph that runs without fused ops adds none;
 - "linears": bare linears running on fusepass's linear op (the bare-linear family), counted likewise;
+- "unfused": matches left to Inductor because its code for them measured faster (race.py);
 - "fallbacks": graphs that run with the fallback compiler because rewriting, compiling or the first
   call of their fused graph failed (each also warns with FusepassFallbackWarning).
 
@@ -27,12 +28,13 @@ from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx
 from torch.fx import GraphModule
 
+from fusepass import race
 from fusepass.explain import Report, write_debug_dump
 from fusepass.options import Options
-from fusepass.rewrite import copy_graph_module, rewrite
+from fusepass.rewrite import UNFUSED_REASON, copy_graph_module, rewrite
 
 log = logging.getLogger(__name__)
-stats = counters["fusepass"]  # "graphs", "rewrites", "linears", "fallbacks": see the module docstring
+stats = counters["fusepass"]  # "graphs", "rewrites", "linears", "unfused", "fallbacks": see the module docstring
 # Debug directories whose dump failed and has been warned about (once per directory and process).
 _failed_dump_dirs: set[str] = set()
 
@@ -47,7 +49,7 @@ def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] 
     stats["graphs"] += 1
     original = copy_graph_module(gm)
     try:
-        matches, misses = rewrite(gm, opts.kernel, opts.families)
+        matches, misses = rewrite(gm, opts.kernel, opts.families, _decider(gm, example_inputs, opts))
         report = Report()
         report.add_graph(matches, misses)
         log.info("%s", report)
@@ -60,11 +62,23 @@ def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] 
         return _fall_back(original, example_inputs, opts, f"rewriting or compiling failed: {exc!r}")
     counted = _count_by_family(matches)
     stats.update(counted)
+    left_to_inductor = sum(miss.reason.startswith(UNFUSED_REASON) for miss in misses)
+    if left_to_inductor:
+        stats["unfused"] += left_to_inductor
     if not matches:  # nothing of fusepass's in this graph: plain Inductor, its errors its own
         return compile_fx(gm, example_inputs, config_patches=opts.inductor_patches)
     return _FirstCallGuard(compiled, mutated, lambda exc: _fall_back(
         original, example_inputs, opts, f"the fused graph failed on its first call: {exc!r}",
         not_used=counted))
+
+
+def _decider(gm: GraphModule, example_inputs: list, opts: Options) -> Optional[Callable]:
+    """Times each match against Inductor's code for its nodes (race.py), unless the options say not to.
+    rewrite() decides every match before it replaces any, so each is extracted from the graph as given."""
+    if not opts.time_unfused:
+        return None
+    compile_candidate = race.compiler_without(opts.inductor_patches, compile_fx)
+    return lambda match: race.decide(gm, match, example_inputs, opts.kernel, compile_candidate)
 
 
 def _count_by_family(matches: list) -> Counter:

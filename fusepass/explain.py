@@ -12,6 +12,8 @@ import torch
 from tabulate import tabulate
 from torch.fx import GraphModule
 
+from fusepass import race
+from fusepass.lowering.schema import Kernel
 from fusepass.pattern import Match, Miss, find_chains
 
 _dump_counter = itertools.count()
@@ -20,7 +22,7 @@ _dump_counter = itertools.count()
 def describe_match(match: Match, graph_index: int) -> dict[str, Any]:
     """A match as explain() lists it: where, which member of its family, and what its family says of it."""
     return {"graph": graph_index, "pattern": match.pattern, "nodes": [n.name for n in match.nodes],
-            **match.family.describe(match)}
+            **match.family.describe(match), "verdict": match.verdict}
 
 
 def describe_miss(miss: Miss, graph_index: int) -> dict[str, Any]:
@@ -52,9 +54,10 @@ class Report:
             rows = [[m["graph"], m["pattern"], " -> ".join(m["nodes"]),
                      f"{m['shapes']['x']} @ {m['shapes']['weight']} -> {m['shapes']['out']}",
                      f"{m['dtypes']['x']} / {m['dtypes']['linear']} / {m['dtypes']['out']}",
-                     _mode(m["training"])] for m in self.matches]
+                     _mode(m["training"]), m["verdict"] or "-"] for m in self.matches]
             lines += ["", "Matches:", tabulate(rows, headers=["graph", "pattern", "nodes", "x @ W -> out",
-                                                              "dtypes x/linear/out", "mode"])]
+                                                              "dtypes x/linear/out", "mode", "fused or Inductor's"],
+                                               maxcolwidths=[None] * 6 + [60])]
         if self.misses:
             rows = [[m["graph"], m["node"], m["reason"]] for m in self.misses]
             lines += ["", "Misses:", tabulate(rows, headers=["graph", "node", "reason"], maxcolwidths=[None, None, 80])]
@@ -81,12 +84,17 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
     """What fusepass would rewrite in `model` for these inputs, without changing `model`.
 
     Runs a deep copy of the model once under torch.compile with a backend that only records the
-    matches and misses of each graph Dynamo captures (the copy runs eagerly otherwise).
+    matches and misses of each graph Dynamo captures (the copy runs eagerly otherwise). Each match's
+    verdict (fused, or left to Inductor's faster code: race.py) is the one a compile with default
+    options would take from the tuning cache, or says that the first compile will time it.
     """
     report = Report()
 
     def recording_backend(gm: GraphModule, _example_inputs):
-        report.add_graph(*find_chains(gm.graph))
+        matches, misses = find_chains(gm.graph)
+        for match in matches:
+            match.verdict = race.recorded(gm, match, Kernel())
+        report.add_graph(matches, misses)
         return gm.forward
 
     torch.compile(copy.deepcopy(model), backend=recording_backend)(*example_inputs, **example_kwargs)

@@ -26,6 +26,10 @@ FUSEPASS_KEYS = {
     "fp32_matmul": "fp32 GEMMs when torch does not allow TF32: 'tf32x3' (default; fp32-accurate on tensor "
                    "cores) or 'ieee' (plain fp32 FMA, on cuBLAS whatever 'gemm' says); with TF32 allowed they use "
                    "TF32, as eager",
+    "time_unfused": "on the first compile of a problem (CUDA), time each match fused against Inductor's own code for "
+                    "its nodes, forward and backward where gradients flow, and keep the faster where Inductor's is no "
+                    "further from float64 than eager (cached on disk with the tuner's choices): False (default; "
+                    "always fused) or True. Experimental: not yet validated on a GPU",
     "gemm": "the fused ops' GEMM: 'auto' (default; time Triton and cuBLAS per shape, cached on disk), "
             "'triton' or 'cublas'",
 }
@@ -38,6 +42,7 @@ class Options:
     fallback: str = "inductor"
     kernel: Kernel = Kernel()  # the fused ops' own options, passed to each op in the graph
     bare_linear: bool = True
+    time_unfused: bool = False
     inductor_patches: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -57,11 +62,12 @@ class Options:
         debug_dir = own.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
         kernel = Kernel(**{key: own[key] for key in ("fp32_matmul", "gemm") if key in own})
         kernel.validate()
-        bare_linear = own.get("bare_linear", True)
-        if not isinstance(bare_linear, bool):
-            raise ValueError(f"fusepass: options['bare_linear'] must be True or False, got {bare_linear!r}")
-        return cls(mode=mode, debug_dir=debug_dir, fallback=fallback, kernel=kernel, bare_linear=bare_linear,
-                   inductor_patches=patches)
+        flags = {key: own.get(key, default) for key, default in (("bare_linear", True), ("time_unfused", False))}
+        for key, value in flags.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"fusepass: options[{key!r}] must be True or False, got {value!r}")
+        return cls(mode=mode, debug_dir=debug_dir, fallback=fallback, kernel=kernel, inductor_patches=patches,
+                   **flags)
 
     @property
     def families(self) -> tuple:

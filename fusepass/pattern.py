@@ -229,6 +229,7 @@ class Match:
     nodes: tuple[Node, ...]
     steps: tuple[Step, ...]
     args: dict[str, Any]  # step key -> LinearArgs / ScaleArgs / BatchNormArgs / SoftmaxArgs
+    verdict: Optional[str] = None  # why it runs fused rather than as Inductor's code (race.py), if timed
 
     @property
     def pattern(self) -> str:

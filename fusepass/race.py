@@ -1,0 +1,271 @@
+"""Whether a match runs as fusepass's fused op or as the code Inductor generates for its own nodes.
+
+Each is compiled on its own from the match's nodes (the unfused one exactly as the graph has them, the
+fused one after its family's rewrite) and run on the match's inputs: the graph's own values where a
+node is a graph input (cloned: a timed batch norm updates its running statistics), random stand-ins for
+activations. Both are timed by the tuner, as it times the fused op's implementations (tuning.gpu_time),
+forward only where no gradient flows and forward plus backward where one does (the training step that
+will run), and the faster is kept; the verdict is cached on disk with the tuner's choices, so a match is
+timed once per problem, GPU and fusepass version.
+
+Only with the backend option time_unfused=True (off by default until it has been validated on a GPU),
+on CUDA, with static shapes, and while the tuner times at all (FUSEPASS_TUNE=0 keeps every match fused).
+Inductor's code must also meet fusepass's numerical contract on the same inputs (no further from a
+float64 run than eager): otherwise the match stays fused, however fast Inductor's code is.
+
+The times a match was decided by are in the backend's report (its log and debug dump) and explain();
+a later process that reads the verdict from the cache reports it as cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+from torch._dynamo.metrics_context import MetricsContext
+from torch.fx import Graph, GraphModule, Node
+
+from fusepass.lowering import tuning
+from fusepass.lowering.schema import Kernel
+from fusepass.lowering.tuning import TUNER
+from fusepass.numerics import no_further_than_eager, rel_error
+from fusepass.pattern import Match, meta_value
+
+log = logging.getLogger(__name__)
+FUSED = "fused"
+UNFUSED = "unfused (Inductor)"
+NOT_YET_TIMED = f"{FUSED}; with the option time_unfused=True, timed against Inductor's code when first compiled"
+# Inductor options that the compiled candidates leave out: the tuner times from its own CUDA graph.
+UNTIMED_PATCHES = ("triton.cudagraphs",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    fused: bool
+    why: str
+
+
+Compiler = Callable[[GraphModule, list], Callable]
+
+
+def decide(gm: GraphModule, match: Match, example_inputs: list, kernel: Kernel,
+           compile_fn: Compiler) -> Verdict:
+    """The verdict for `match` in `gm` (not yet rewritten); `example_inputs` are the graph's inputs,
+    `compile_fn` compiles a graph module as the backend compiles the rest (Inductor)."""
+    untimed = _why_not_timed(match)
+    if untimed:
+        return Verdict(True, f"{FUSED}: not timed against Inductor: {untimed}")
+    try:
+        return _race(gm, match, example_inputs, kernel, compile_fn)
+    except Exception as exc:  # noqa: BLE001  (timing is an optimization: the match stays fused)
+        log.warning("fusepass: timing %s against Inductor's code failed (%r); it stays fused", match.pattern, exc)
+        return Verdict(True, f"{FUSED}: not timed against Inductor: {exc!r}")
+
+
+def recorded(gm: GraphModule, match: Match, kernel: Kernel) -> str:
+    """What a compile would decide for `match` without timing anything: the cached verdict, or why
+    there is none yet."""
+    untimed = _why_not_timed(match)
+    if untimed:
+        return f"{FUSED}: not timed against Inductor: {untimed}"
+    problem = problem_key(match, extract(gm, match.nodes), kernel)
+    device = meta_value(match.last).device
+    choice = TUNER.cached(problem, device)
+    return _describe(problem, choice) if choice else NOT_YET_TIMED
+
+
+def _race(gm: GraphModule, match: Match, example_inputs: list, kernel: Kernel, compile_fn: Compiler) -> Verdict:
+    unfused = extract(gm, match.nodes)
+    fused = extract(gm, match.nodes)
+    from fusepass.rewrite import rewrite  # rewrite imports this module's caller; keep the import local
+    rewritten, _ = rewrite(fused, kernel, (match.family,))
+    if len(rewritten) != 1:
+        return Verdict(True, f"{FUSED}: not timed against Inductor: the match does not stand alone")
+    inputs = stand_ins(gm, unfused, example_inputs)
+    upstream = _upstream_gradients(unfused)
+    runners = {FUSED: _compiled_step(compile_fn, fused, inputs, upstream),
+               UNFUSED: _compiled_step(compile_fn, unfused, inputs, upstream)}
+    inaccurate = _further_than_eager(unfused, inputs, upstream, runners[UNFUSED])
+    if inaccurate:
+        return Verdict(True, f"{FUSED}: Inductor's code is further from float64 than eager ({inaccurate})")
+    problem = problem_key(match, unfused, kernel)
+    device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+    with _isolated():
+        choice = TUNER.choose(problem, device, runners)
+    return Verdict(choice == FUSED, _describe(problem, choice))
+
+
+def _why_not_timed(match: Match) -> Optional[str]:
+    if tuning.search() == "off":
+        return f"{tuning.TUNE_ENV}=0"
+    if not hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
+        # A CUDA backward runs on autograd's device thread; compiled lazily there, inside this compile,
+        # it would wait for the compile lock this thread holds.
+        return "this torch cannot compile a candidate's backward ahead of its first call"
+    values = [meta_value(n) for n in match.nodes]
+    if not all(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in values):
+        return "not on CUDA"
+    if not all(isinstance(s, int) for v in values for s in v.shape):
+        return "symbolic shapes"
+    return None
+
+
+def extract(gm: GraphModule, nodes: tuple[Node, ...]) -> GraphModule:
+    """A graph module computing `nodes` alone: each value they read from outside becomes a placeholder
+    (named and with the meta of the node it stands for), each of them used outside is an output."""
+    members = set(nodes)
+    graph = Graph()
+    env: dict[Node, Node] = {}
+
+    def outside(node: Node) -> Node:
+        if node not in env:
+            env[node] = graph.placeholder(node.name)
+            env[node].meta.update(node.meta)
+        return env[node]
+
+    for node in gm.graph.nodes:  # graph order: a node's inputs come before it
+        if node in members:
+            env[node] = graph.node_copy(node, lambda n: env[n] if n in members else outside(n))
+    outputs = [n for n in nodes if any(user not in members for user in n.users)]
+    graph.output(tuple(env[n] for n in outputs))
+    return GraphModule(gm, graph)
+
+
+def stand_ins(gm: GraphModule, sub: GraphModule, example_inputs: list) -> list:
+    """Inputs for `sub`: clones of the graph's own inputs (a batch norm's running variance must stay
+    positive, a user's buffers untouched) and random activations shaped as recorded."""
+    graph_inputs = {n.name: value for n, value in zip(_placeholders(gm), example_inputs)}
+    inputs = []
+    for node in _placeholders(sub):
+        value = graph_inputs.get(node.name)
+        recorded = meta_value(node)
+        if isinstance(value, torch.Tensor):
+            inputs.append(value.detach().clone().requires_grad_(value.requires_grad))
+        elif isinstance(recorded, torch.Tensor):
+            inputs.append(_random_like(recorded))
+        else:
+            inputs.append(value if value is not None else recorded)
+    return inputs
+
+
+def _random_like(value: torch.Tensor) -> torch.Tensor:
+    shape = tuple(value.shape)
+    if value.dtype.is_floating_point:
+        t = torch.randn(shape, dtype=value.dtype, device=value.device)
+        return t.requires_grad_(value.requires_grad)
+    return torch.zeros(shape, dtype=value.dtype, device=value.device)
+
+
+def _placeholders(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _upstream_gradients(sub: GraphModule) -> list[torch.Tensor]:
+    """Random upstream gradients for the outputs of `sub` that need one, shaped as recorded."""
+    values = [meta_value(n) for n in _outputs(sub)]
+    return [_random_like(v).detach() for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+
+
+def _outputs(sub: GraphModule) -> tuple[Node, ...]:
+    [output] = [n for n in sub.graph.nodes if n.op == "output"]
+    return tuple(output.args[0])
+
+
+def _step(fn: Callable, inputs: list, upstream: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fn's outputs on `inputs`, then, where gradients flow, the gradients (to `upstream`) of the
+    inputs that need one."""
+    outputs = [o for o in fn(*inputs) if isinstance(o, torch.Tensor)]
+    needing = [o for o in outputs if o.requires_grad]
+    grad_inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not needing or not grad_inputs:
+        return outputs
+    grads = torch.autograd.grad(needing, grad_inputs, [u.to(o.dtype) for u, o in zip(upstream, needing)],
+                                allow_unused=True)
+    return outputs + [g for g in grads if g is not None]
+
+
+def _compiled_step(compile_fn: Compiler, sub: GraphModule, inputs: list,
+                   upstream: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+    """Compiles `sub` (in a compile context of its own: the enclosing graph's compile keeps its state)
+    and returns its step on `inputs`. The backward is compiled now, not at its first call: a CUDA
+    backward runs on autograd's device thread, which would wait for the compile lock this thread holds
+    (seen on an H200: the race hung)."""
+    with _isolated(), torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        compiled = compile_fn(sub, list(inputs))
+    return lambda: _step(compiled, inputs, upstream)
+
+
+def _further_than_eager(sub: GraphModule, inputs: list, upstream: list[torch.Tensor],
+                        candidate: Callable[[], list[torch.Tensor]]) -> Optional[str]:
+    """Which of the candidate's outputs and gradients is further from float64 than eager's (the
+    numerical contract, fusepass.numerics) on these inputs, or None. One-element values are left out:
+    one sample of rounding noise says nothing (tests/chains.py)."""
+    as_float64 = [t.detach().double().requires_grad_(t.requires_grad)
+                  if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
+    reference = _step(sub, as_float64, [u.double() for u in upstream])
+    eager = _step(sub, inputs, upstream)
+    with _isolated():
+        values = candidate()
+    n_outputs = len(_outputs(sub))
+    for i, (value, eager_value, ref) in enumerate(zip(values, eager, reference)):
+        error, eager_error = rel_error(value, ref), rel_error(eager_value, ref)
+        if ref.numel() > 1 and not no_further_than_eager(error, eager_error):
+            what = f"output {i}" if i < n_outputs else f"gradient {i - n_outputs}"
+            return f"{what}: {error:.3g} to eager's {eager_error:.3g}"
+    return None
+
+
+@contextlib.contextmanager
+def _isolated():
+    """Compiles and runs a candidate as if no other compile were in progress: no tracing context, and
+    compile metrics of its own (its lazily compiled backward would otherwise set the enclosing compile's
+    metrics a second time, which torch refuses)."""
+    tls = getattr(torch._dynamo.utils, "_metrics_context_tls", None)
+    saved = getattr(tls, "metrics_context", None)
+    if tls is not None:
+        tls.metrics_context = MetricsContext(on_exit=lambda *args, **kwargs: None)
+    try:
+        with torch._guards.tracing(None):
+            yield
+    finally:
+        if tls is not None:
+            if saved is None:
+                del tls.metrics_context
+            else:
+                tls.metrics_context = saved
+
+
+def problem_key(match: Match, sub: GraphModule, kernel: Kernel) -> str:
+    """What the verdict depends on: the match's pattern, its family's description of it (train or eval
+    included), its inputs (shape, dtype, strides, whether a gradient flows), the ambient precision
+    (autocast, TF32, grad mode) and the fused op's options."""
+    described = match.family.describe(match)
+    parts = [f"race {match.pattern}", f"training={described.get('training')}"]
+    for node in _placeholders(sub):
+        v = meta_value(node)
+        if isinstance(v, torch.Tensor):
+            parts.append(f"{'x'.join(map(str, v.shape))}:{str(v.dtype).removeprefix('torch.')}"
+                         f":{','.join(map(str, v.stride()))}{':grad' if v.requires_grad else ''}")
+        else:
+            parts.append(repr(v))
+    autocast = (torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None)
+    parts += [f"autocast={autocast}", f"tf32={torch.backends.cuda.matmul.allow_tf32}",
+              f"grad={torch.is_grad_enabled()}", f"kernel={kernel.fp32_matmul},{kernel.gemm}"]
+    return " ".join(parts)
+
+
+def _describe(problem: str, choice: str) -> str:
+    times = TUNER.timings.get(problem)
+    if not times:
+        return f"{choice}: the tuning cache's choice"
+    measured = ", ".join(f"{name} {ms:.3f} ms" for name, ms in sorted(times.items(), key=lambda i: i[1]))
+    return f"{choice}: timed {measured}"
+
+
+def compiler_without(patches: dict[str, Any], compile_fx: Callable) -> Compiler:
+    """The backend's compiler for the timed candidates: its Inductor options, less UNTIMED_PATCHES."""
+    kept = {k: v for k, v in patches.items() if k not in UNTIMED_PATCHES}
+    return lambda sub, inputs: compile_fx(sub, inputs, config_patches=kept)
