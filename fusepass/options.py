@@ -16,6 +16,7 @@ from fusepass.lowering.schema import Kernel
 from fusepass.lowering.tuning import source_hash
 
 DEBUG_DIR_ENV = "FUSEPASS_DEBUG_DIR"
+TIME_UNFUSED_ENV = "FUSEPASS_TIME_UNFUSED"  # "1": time_unfused=True unless the options say otherwise
 FALLBACKS = ("inductor", "eager")
 # fusepass's own keys and what they mean; every other key must be an Inductor config key.
 FUSEPASS_KEYS = {
@@ -29,7 +30,8 @@ FUSEPASS_KEYS = {
     "time_unfused": "on the first compile of a problem (CUDA), time each match fused against Inductor's own code for "
                     "its nodes, forward and backward where gradients flow, and keep the faster where Inductor's is no "
                     "further from float64 than eager (cached on disk with the tuner's choices): False (default; "
-                    "always fused) or True. Experimental: not yet validated on a GPU",
+                    "always fused, unless env FUSEPASS_TIME_UNFUSED=1) or True. Experimental: the README says how "
+                    "it fails on a GPU",
     "gemm": "the fused ops' GEMM: 'auto' (default; time Triton and cuBLAS per shape, cached on disk), "
             "'triton' or 'cublas'",
 }
@@ -62,7 +64,8 @@ class Options:
         debug_dir = own.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
         kernel = Kernel(**{key: own[key] for key in ("fp32_matmul", "gemm") if key in own})
         kernel.validate()
-        flags = {key: own.get(key, default) for key, default in (("bare_linear", True), ("time_unfused", False))}
+        defaults = {"bare_linear": True, "time_unfused": os.environ.get(TIME_UNFUSED_ENV) == "1"}
+        flags = {key: own.get(key, default) for key, default in defaults.items()}
         for key, value in flags.items():
             if not isinstance(value, bool):
                 raise ValueError(f"fusepass: options[{key!r}] must be True or False, got {value!r}")

@@ -8,7 +8,7 @@ forward only where no gradient flows and forward plus backward where one does (t
 will run), and the faster is kept; the verdict is cached on disk with the tuner's choices, so a match is
 timed once per problem, GPU and fusepass version.
 
-Only with the backend option time_unfused=True (off by default until it has been validated on a GPU),
+Only with the backend option time_unfused=True (off by default: the README lists how it fails on a GPU),
 on CUDA, with static shapes, and while the tuner times at all (FUSEPASS_TUNE=0 keeps every match fused).
 Inductor's code must also meet fusepass's numerical contract on the same inputs (no further from a
 float64 run than eager): otherwise the match stays fused, however fast Inductor's code is.

@@ -114,6 +114,18 @@ def test_nothing_is_timed_by_default_or_with_time_unfused_false(clock, options):
     assert_fused(rewrites=1, graphs=1)
 
 
+def test_environment_variable_turns_it_on_and_an_explicit_option_wins(clock, monkeypatch):
+    monkeypatch.setenv("FUSEPASS_TIME_UNFUSED", "1")
+    timed = clock(fused_ms=1.0, unfused_ms=2.0)
+    model, x = ChainModel(bias=False, scale=None), make_input(8, 32)
+    torch.compile(model, backend="fusepass", options={"time_unfused": False})(x)
+    assert timed.runs == []
+    torch._dynamo.reset()
+    torch.compile(model, backend="fusepass")(x)
+    assert [name for name, _ in timed.runs] == [race.FUSED, race.UNFUSED]
+    assert_fused(rewrites=2, graphs=2)
+
+
 def test_a_race_that_fails_leaves_the_chain_fused(clock, monkeypatch, caplog):
     clock(fused_ms=2.0, unfused_ms=1.0)
 

@@ -9,6 +9,9 @@ second run shows the "once tuned" compile, with the caches that the first filled
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -22,6 +25,8 @@ CACHE_COUNTERS = ("inductor", "aot_autograd")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_problem_arguments(parser, ["inductor", "fusepass"])
+    parser.add_argument("--profile", type=int, metavar="N", default=0,
+                        help="print the N costliest functions (cumulative) of each provider's first call")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -37,12 +42,21 @@ def main() -> None:
         call = provider_call(make_provider(provider, base), inputs, mode=args.mode, precision=args.precision,
                              device="cuda", backward=args.backward)
         torch.cuda.synchronize()
+        profiler = cProfile.Profile() if args.profile else None
         start = time.perf_counter()
+        if profiler:
+            profiler.enable()
         call()
         torch.cuda.synchronize()
+        if profiler:
+            profiler.disable()
         caches = {f"{group}.{key}": value for group in CACHE_COUNTERS for key, value in counters[group].items()
                   if "cache" in key or "bypass" in key}
         print(f"{provider}: first call {time.perf_counter() - start:.2f} s; {caches}")
+        if profiler:
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.profile)
+            print(text.getvalue())
 
 
 if __name__ == "__main__":
