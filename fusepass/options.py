@@ -30,8 +30,8 @@ FUSEPASS_KEYS = {
     "time_unfused": "on the first compile of a problem (CUDA), time each match fused against Inductor's own code for "
                     "its nodes, forward and backward where gradients flow, and keep the faster where Inductor's is no "
                     "further from float64 than eager (cached on disk with the tuner's choices): False (default; "
-                    "always fused, unless env FUSEPASS_TIME_UNFUSED=1) or True. Experimental: the README says how "
-                    "it fails on a GPU",
+                    "always fused, unless env FUSEPASS_TIME_UNFUSED=1) or True. Experimental: adds seconds to a "
+                    "first compile",
     "gemm": "the fused ops' GEMM: 'auto' (default; time Triton and cuBLAS per shape, cached on disk), "
             "'triton' or 'cublas'",
 }

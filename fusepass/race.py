@@ -3,12 +3,14 @@
 Each is compiled on its own from the match's nodes (the unfused one exactly as the graph has them, the
 fused one after its family's rewrite) and run on the match's inputs: the graph's own values where a
 node is a graph input (cloned: a timed batch norm updates its running statistics), random stand-ins for
-activations. Both are timed by the tuner, as it times the fused op's implementations (tuning.gpu_time),
-forward only where no gradient flows and forward plus backward where one does (the training step that
-will run), and the faster is kept; the verdict is cached on disk with the tuner's choices, so a match is
+activations. Both are timed by the tuner, L2 flushed as for the fused op's implementations but launched
+from Python (tuning.launched_time), not replayed from a CUDA graph: a capture of a compiled backward
+that fails leaves CUDA's random-number generator in capture mode, and the next torch.randn fails (seen
+under bf16 autocast on an H200). Forward only where no gradient flows, forward plus backward where one
+does (the training step that will run); the faster is kept; the verdict is cached on disk with the tuner's choices, so a match is
 timed once per problem, GPU and fusepass version.
 
-Only with the backend option time_unfused=True (off by default: the README lists how it fails on a GPU),
+Only with the backend option time_unfused=True (off by default: it adds seconds to a first compile),
 on CUDA, with static shapes, and while the tuner times at all (FUSEPASS_TUNE=0 keeps every match fused).
 Inductor's code must also meet fusepass's numerical contract on the same inputs (no further from a
 float64 run than eager): otherwise the match stays fused, however fast Inductor's code is.
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 FUSED = "fused"
 UNFUSED = "unfused (Inductor)"
 NOT_YET_TIMED = f"{FUSED}; with the option time_unfused=True, timed against Inductor's code when first compiled"
-# Inductor options that the compiled candidates leave out: the tuner times from its own CUDA graph.
+# Inductor options that the compiled candidates leave out: a candidate is timed as a default-mode step.
 UNTIMED_PATCHES = ("triton.cudagraphs",)
 
 
@@ -94,7 +96,7 @@ def _race(gm: GraphModule, match: Match, example_inputs: list, kernel: Kernel, c
     problem = problem_key(match, unfused, kernel)
     device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
     with _isolated():
-        choice = TUNER.choose(problem, device, runners)
+        choice = TUNER.choose(problem, device, runners, clock=tuning.launched_time)
     return Verdict(choice == FUSED, _describe(problem, choice))
 
 

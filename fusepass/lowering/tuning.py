@@ -71,9 +71,11 @@ class Tuner:
         with self._lock:
             return self._choices.get(key) or _read_cache().get(key)
 
-    def choose(self, problem: str, device: torch.device, candidates: dict[str, Callable[[], Any]]) -> str:
+    def choose(self, problem: str, device: torch.device, candidates: dict[str, Callable[[], Any]],
+               clock: Optional[Callable[[Callable[[], Any]], float]] = None) -> str:
         """The name of the fastest candidate for `problem`. Candidates are side-effect-free callables
-        (each allocates its own outputs); the first is the default when timing is off or impossible."""
+        (each allocates its own outputs); the first is the default when timing is off or impossible.
+        `clock` times one candidate (default gpu_time)."""
         key = f"{environment_key(device)}|{problem}"
         with self._lock:
             choice = self._choices.get(key) or _read_cache().get(key)
@@ -83,7 +85,7 @@ class Tuner:
             first = next(iter(candidates))
             if search() == "off" or capturing(device):
                 return first  # timing inside a CUDA graph capture is impossible; not remembered
-            times = _time_candidates(candidates)
+            times = _time_candidates(candidates, clock or gpu_time)
             self.timings[problem] = times
             choice = min(times, key=times.get) if times else first
             log.info("fusepass tuning %s: %s", problem,
@@ -97,12 +99,13 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _time_candidates(candidates: dict[str, Callable[[], Any]]) -> dict[str, float]:
+def _time_candidates(candidates: dict[str, Callable[[], Any]], clock: Callable[[Callable[[], Any]], float]
+                     ) -> dict[str, float]:
     times = {}
     for name, run in candidates.items():
         try:
             run()  # compiles; a config that does not fit the GPU fails here and is skipped
-            times[name] = gpu_time(run)
+            times[name] = clock(run)
         except Exception as exc:  # noqa: BLE001  (a candidate that cannot run is simply not chosen)
             log.info("fusepass tuning: candidate %s failed: %r", name, exc)
     return times
@@ -124,7 +127,14 @@ def gpu_time(run: Callable[[], Any]) -> float:
         return max(flushed - _flush_ms(cache), 0.0)
     except Exception as exc:  # noqa: BLE001  (not capturable: time it from Python, which flushes too)
         log.info("fusepass tuning: CUDA-graph timing failed (%r); timing from Python", exc)
-        return triton.testing.do_bench(run, warmup=TIMING_MS, rep=TIMING_MS, return_mode="median")
+        return launched_time(run)
+
+
+def launched_time(run: Callable[[], Any]) -> float:
+    """Median ms per call launched from Python, L2 flushed before each (triton's do_bench): the GPU's
+    time plus whatever the host adds where launches cannot keep ahead. For work that must not be
+    captured in a CUDA graph."""
+    return triton.testing.do_bench(run, warmup=TIMING_MS, rep=TIMING_MS, return_mode="median")
 
 
 _FLUSH_MS: dict[tuple, float] = {}

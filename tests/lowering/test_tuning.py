@@ -22,7 +22,7 @@ def cache_dir(tmp_path, monkeypatch):
 def fake_timing(monkeypatch, times):
     calls = []
 
-    def time_candidates(candidates):
+    def time_candidates(candidates, clock):
         calls.append(list(candidates))
         return {name: times[name] for name in candidates if name in times}
 
@@ -31,6 +31,18 @@ def fake_timing(monkeypatch, times):
 
 
 CANDIDATES = {"a": lambda: None, "b": lambda: None, "c": lambda: None}
+
+
+def test_a_clock_given_times_each_candidate_after_one_untimed_run(cache_dir):
+    runs = []
+    candidates = {name: (lambda name=name: runs.append(name)) for name in "abc"}
+    clock_ms = {"a": 2.0, "b": 0.5, "c": 1.0}
+
+    def clock(run):
+        run()
+        return clock_ms[runs[-1]]
+    assert tuning.Tuner().choose("problem with a clock", CPU, candidates, clock=clock) == "b"
+    assert runs == ["a", "a", "b", "b", "c", "c"]
 
 
 def test_fastest_candidate_is_chosen_and_written_to_disk(cache_dir, monkeypatch):
