@@ -86,15 +86,19 @@ def _race(gm: GraphModule, match: Match, example_inputs: list, kernel: Kernel, c
     rewritten, _ = rewrite(fused, kernel, (match.family,))
     if len(rewritten) != 1:
         return Verdict(True, f"{FUSED}: not timed against Inductor: the match does not stand alone")
+    problem = problem_key(match, unfused, kernel)
     inputs = stand_ins(gm, unfused, example_inputs)
+    device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+    cached = TUNER.cached(problem, device)
+    if cached:
+        return Verdict(cached == FUSED, _describe(problem, cached))
     upstream = _upstream_gradients(unfused)
     runners = {FUSED: _compiled_step(compile_fn, fused, inputs, upstream),
                UNFUSED: _compiled_step(compile_fn, unfused, inputs, upstream)}
     inaccurate = _further_than_eager(unfused, inputs, upstream, runners[UNFUSED])
-    if inaccurate:
+    if inaccurate:  # remembered like a timed verdict: the next compile does not compile both again
+        TUNER.record(problem, device, FUSED)
         return Verdict(True, f"{FUSED}: Inductor's code is further from float64 than eager ({inaccurate})")
-    problem = problem_key(match, unfused, kernel)
-    device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
     with _isolated():
         choice = TUNER.choose(problem, device, runners, clock=tuning.launched_time)
     return Verdict(choice == FUSED, _describe(problem, choice))

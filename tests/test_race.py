@@ -90,7 +90,7 @@ def test_fused_faster_keeps_the_chain_fused_and_explain_shows_why(clock):
     assert "fused: timed fused 1.000 ms" in str(after)
 
 
-def test_verdict_is_cached_and_each_chain_decided_on_its_own(clock):
+def test_verdict_is_cached_and_each_chain_decided_on_its_own(clock, monkeypatch):
     """Two chains of different shapes: two verdicts. Compiled again from scratch: none timed again."""
     first = clock(fused_ms=1.0, unfused_ms=2.0)
     # Without the noise-only gradients (see above), so that Inductor's code is not refused as inexact.
@@ -101,8 +101,10 @@ def test_verdict_is_cached_and_each_chain_decided_on_its_own(clock):
     assert_fused(rewrites=2, graphs=1)
     torch._dynamo.reset()
     again = clock(fused_ms=5.0, unfused_ms=1.0)  # would flip the verdicts if anything were timed
+    compiled = []
+    monkeypatch.setattr(race, "_compiled_step", lambda *args: compiled.append(1))
     torch.compile(model, backend="fusepass", options=TIMED)(x)
-    assert again.runs == []
+    assert again.runs == [] and compiled == []  # a cached verdict compiles no candidate
     assert_fused(rewrites=4, graphs=2)
 
 
@@ -208,3 +210,17 @@ def test_on_cuda_both_are_timed_and_the_model_stays_exact(monkeypatch):
              if problem.startswith("race ") and problem not in timed_before]
     assert len(raced) == 2  # train and eval, each timed on the GPU
     assert all(set(times) == {race.FUSED, race.UNFUSED} and min(times.values()) > 0 for times in raced)
+
+
+def test_a_refusal_is_remembered_and_nothing_compiled_again(clock, monkeypatch):
+    timed = clock(fused_ms=2.0, unfused_ms=1.0)
+    checks = []
+    monkeypatch.setattr(race, "_further_than_eager", lambda *args: checks.append(1) or "gradient 1: 1e-3 to 1e-6")
+    model, x = ChainModel(), make_input(8, 32)
+    torch.compile(model, backend="fusepass", options=TIMED)(x)
+    torch._dynamo.reset()
+    compiled = []
+    monkeypatch.setattr(race, "_compiled_step", lambda *args: compiled.append(1))
+    torch.compile(model, backend="fusepass", options=TIMED)(x)
+    assert checks == [1] and compiled == [] and timed.runs == []
+    assert_fused(rewrites=2, graphs=2)

@@ -71,6 +71,13 @@ class Tuner:
         with self._lock:
             return self._choices.get(key) or _read_cache().get(key)
 
+    def record(self, problem: str, device: torch.device, choice: str) -> None:
+        """Remembers a choice made without timing (here and on disk), as if timing had made it."""
+        key = f"{environment_key(device)}|{problem}"
+        with self._lock:
+            self._choices[key] = choice
+            _write_cache(key, choice)
+
     def choose(self, problem: str, device: torch.device, candidates: dict[str, Callable[[], Any]],
                clock: Optional[Callable[[Callable[[], Any]], float]] = None) -> str:
         """The name of the fastest candidate for `problem`. Candidates are side-effect-free callables
