@@ -85,8 +85,8 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
 
     Runs a deep copy of the model once under torch.compile with a backend that only records the
     matches and misses of each graph Dynamo captures (the copy runs eagerly otherwise). Each match's
-    verdict (fused, or left to Inductor's faster code: race.py) is the one a compile with default
-    options would take from the tuning cache, or says that the first compile will time it.
+    verdict (fused, or left to Inductor's faster code: race.py) is the one cached from a compile with
+    time_unfused=True, or why there is none (not timed, or not yet).
     """
     report = Report()
 
