@@ -73,25 +73,28 @@ def recorded(gm: GraphModule, match: Match, kernel: Kernel) -> str:
     untimed = _why_not_timed(match)
     if untimed:
         return f"{FUSED}: not timed against Inductor: {untimed}"
-    problem = problem_key(match, extract(gm, match.nodes), kernel)
-    device = meta_value(match.last).device
-    choice = TUNER.cached(problem, device)
+    _, problem, choice = _cached(gm, match, kernel)
     return _describe(problem, choice) if choice else NOT_YET_TIMED
 
 
-def _race(gm: GraphModule, match: Match, example_inputs: list, kernel: Kernel, compile_fn: Compiler) -> Verdict:
+def _cached(gm: GraphModule, match: Match, kernel: Kernel) -> tuple[GraphModule, str, Optional[str]]:
+    """The match's nodes alone (extract), its problem key, and the verdict cached for it, if any."""
     unfused = extract(gm, match.nodes)
+    problem = problem_key(match, unfused, kernel)
+    return unfused, problem, TUNER.cached(problem, meta_value(match.last).device)
+
+
+def _race(gm: GraphModule, match: Match, example_inputs: list, kernel: Kernel, compile_fn: Compiler) -> Verdict:
+    unfused, problem, cached = _cached(gm, match, kernel)
+    if cached:  # nothing to compile or run
+        return Verdict(cached == FUSED, _describe(problem, cached))
     fused = extract(gm, match.nodes)
     from fusepass.rewrite import rewrite  # rewrite imports this module's caller; keep the import local
     rewritten, _ = rewrite(fused, kernel, (match.family,))
     if len(rewritten) != 1:
         return Verdict(True, f"{FUSED}: not timed against Inductor: the match does not stand alone")
-    problem = problem_key(match, unfused, kernel)
     inputs = stand_ins(gm, unfused, example_inputs)
-    device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
-    cached = TUNER.cached(problem, device)
-    if cached:
-        return Verdict(cached == FUSED, _describe(problem, cached))
+    device = meta_value(match.last).device
     upstream = _upstream_gradients(unfused)
     runners = {FUSED: _compiled_step(compile_fn, fused, inputs, upstream),
                UNFUSED: _compiled_step(compile_fn, unfused, inputs, upstream)}
@@ -227,7 +230,7 @@ def _further_than_eager(sub: GraphModule, inputs: list, upstream: list[torch.Ten
 @contextlib.contextmanager
 def _isolated():
     """Compiles and runs a candidate as if no other compile were in progress: no tracing context, and
-    compile metrics of its own (its lazily compiled backward would otherwise set the enclosing compile's
+    compile metrics of its own (compiling its backward would otherwise set the enclosing compile's
     metrics a second time, which torch refuses)."""
     tls = getattr(torch._dynamo.utils, "_metrics_context_tls", None)
     saved = getattr(tls, "metrics_context", None)

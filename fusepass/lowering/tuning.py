@@ -67,25 +67,30 @@ class Tuner:
 
     def cached(self, problem: str, device: torch.device) -> Optional[str]:
         """The choice remembered for `problem` (this process, or the disk cache), without timing."""
-        key = f"{environment_key(device)}|{problem}"
+        key = _cache_key(problem, device)
         with self._lock:
-            return self._choices.get(key) or _read_cache().get(key)
+            return self._remembered(key)
 
     def record(self, problem: str, device: torch.device, choice: str) -> None:
         """Remembers a choice made without timing (here and on disk), as if timing had made it."""
-        key = f"{environment_key(device)}|{problem}"
         with self._lock:
-            self._choices[key] = choice
-            _write_cache(key, choice)
+            self._remember(_cache_key(problem, device), choice)
+
+    def _remembered(self, key: str) -> Optional[str]:
+        return self._choices.get(key) or _read_cache().get(key)
+
+    def _remember(self, key: str, choice: str) -> None:
+        self._choices[key] = choice
+        _write_cache(key, choice)
 
     def choose(self, problem: str, device: torch.device, candidates: dict[str, Callable[[], Any]],
                clock: Optional[Callable[[Callable[[], Any]], float]] = None) -> str:
         """The name of the fastest candidate for `problem`. Candidates are side-effect-free callables
         (each allocates its own outputs); the first is the default when timing is off or impossible.
         `clock` times one candidate (default gpu_time)."""
-        key = f"{environment_key(device)}|{problem}"
+        key = _cache_key(problem, device)
         with self._lock:
-            choice = self._choices.get(key) or _read_cache().get(key)
+            choice = self._remembered(key)
             if choice in candidates:
                 self._choices[key] = choice
                 return choice
@@ -97,9 +102,12 @@ class Tuner:
             choice = min(times, key=times.get) if times else first
             log.info("fusepass tuning %s: %s", problem,
                      ", ".join(f"{name} {ms:.4f} ms" for name, ms in sorted(times.items(), key=lambda i: i[1])))
-            self._choices[key] = choice
-            _write_cache(key, choice)
+            self._remember(key, choice)
             return choice
+
+
+def _cache_key(problem: str, device: torch.device) -> str:
+    return f"{environment_key(device)}|{problem}"
 
 
 def capturing(device: torch.device) -> bool:
