@@ -60,6 +60,7 @@ class Options:
             raise ValueError(f"fusepass: options['fallback'] must be one of {FALLBACKS}, got {fallback!r}")
         patches = dict(modes[mode])
         patches.update(_inductor_patches(options))
+        _launch_fused_kernels_statically(patches)
         _key_caches_on_fusepass_source(patches)
         debug_dir = own.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
         kernel = Kernel(**{key: own[key] for key in ("fp32_matmul", "gemm") if key in own})
@@ -90,6 +91,15 @@ def _inductor_patches(options: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(_unknown_key_message(key, known))
         patches[name] = value
     return patches
+
+
+def _launch_fused_kernels_statically(patches: dict[str, Any]) -> None:
+    """The fused ops' Triton kernels reach Inductor as user-defined kernels, which it launches through
+    Triton's Python launcher unless told otherwise; its static launcher (what it uses for its own
+    kernels) cut a bf16 MLP training step's host time by 13% on an H200. The user's option wins."""
+    key = "static_launch_user_defined_triton_kernels"
+    if key in inductor_config.get_config_copy():
+        patches.setdefault(key, True)
 
 
 def _key_caches_on_fusepass_source(patches: dict[str, Any]) -> None:

@@ -335,6 +335,15 @@ def test_inductor_options_are_forwarded(monkeypatch):
     assert_fused(rewrites=1, graphs=1)
 
 
+def test_fused_kernels_launch_statically_unless_the_user_says_otherwise(monkeypatch):
+    calls = _capture_compile_fx(monkeypatch)
+    torch.compile(ChainModel(), backend="fusepass")(make_input(6, 32))
+    torch._dynamo.reset()
+    torch.compile(ChainModel(), backend="fusepass",
+                  options={"static_launch_user_defined_triton_kernels": False})(make_input(6, 32))
+    assert [call["static_launch_user_defined_triton_kernels"] for call in calls] == [True, False]
+
+
 def test_unknown_option_lists_the_valid_ones():
     with pytest.raises(Exception) as info:
         torch.compile(ChainModel(), backend="fusepass", options={"debug_dri": "/tmp/x"})(make_input(6, 32))
