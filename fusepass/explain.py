@@ -54,10 +54,11 @@ class Report:
             rows = [[m["graph"], m["pattern"], " -> ".join(m["nodes"]),
                      f"{m['shapes']['x']} @ {m['shapes']['weight']} -> {m['shapes']['out']}",
                      f"{m['dtypes']['x']} / {m['dtypes']['linear']} / {m['dtypes']['out']}",
-                     _mode(m["training"]), m["verdict"] or "-"] for m in self.matches]
+                     _mode(m["training"]), m["tail"], m["verdict"] or "-"] for m in self.matches]
             lines += ["", "Matches:", tabulate(rows, headers=["graph", "pattern", "nodes", "x @ W -> out",
-                                                              "dtypes x/linear/out", "mode", "fused or Inductor's"],
-                                               maxcolwidths=[None] * 6 + [60])]
+                                                              "dtypes x/linear/out", "mode", "tail",
+                                                              "fused or Inductor's"],
+                                               maxcolwidths=[None] * 6 + [40, 60])]
         if self.misses:
             rows = [[m["graph"], m["node"], m["reason"]] for m in self.misses]
             lines += ["", "Misses:", tabulate(rows, headers=["graph", "node", "reason"], maxcolwidths=[None, None, 80])]

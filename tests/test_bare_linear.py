@@ -80,11 +80,11 @@ def test_tf32_allowed_leaves_fp32_linears_alone():
 def test_explain_lists_chains_before_the_bare_linears_they_leave():
     model = MLP(16, [24, 8])
     report = fusepass.explain(model, torch.randn(10, 16))
-    assert [m["pattern"] for m in report.matches] == ["linear_batch_norm", "linear"]
+    assert [m["pattern"] for m in report.matches] == ["linear_batch_norm_relu_dropout", "linear"]
     assert report.matches[1]["shapes"] == {"x": (10, 24), "weight": (8, 24), "out": (10, 8)}
     assert report.misses == []
     last_row = next(line for line in str(report).splitlines() if line.split()[:2] == ["0", "linear"])
-    assert re.search(r"float32\s+-\s+fused: not timed", last_row)  # no train/eval mode of its own
+    assert re.search(r"float32\s+-\s+-\s+fused: not timed", last_row)  # no train/eval mode, no tail
 
 
 def test_linear_feeding_a_chain_and_fed_by_one_is_rewritten_once_each():

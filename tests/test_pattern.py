@@ -121,12 +121,12 @@ def test_three_d_input_is_left_alone():
 MEMBERS = {
     "linear_batch_norm": dict(scale=None),
     "linear_scale_batch_norm": dict(),
-    "linear_batch_norm_scale": dict(scale=None, scale_after="single"),
+    "linear_batch_norm_mul": dict(scale=None, scale_after="single"),
     "linear_batch_norm_softmax": dict(scale=None, softmax="module"),
-    "linear_batch_norm_scale_softmax": dict(scale=None, scale_after="single", softmax="module"),
-    "linear_scale_batch_norm_scale": dict(scale_after="per_feature"),
+    "linear_batch_norm_mul_softmax": dict(scale=None, scale_after="single", softmax="module"),
+    "linear_scale_batch_norm_mul": dict(scale_after="per_feature"),
     "linear_scale_batch_norm_softmax": dict(scale="number", softmax="functional"),
-    "linear_scale_batch_norm_scale_softmax": dict(scale="zero_dim", scale_after="number", softmax="method"),
+    "linear_scale_batch_norm_mul_softmax": dict(scale="zero_dim", scale_after="number", softmax="method"),
 }
 
 
@@ -159,13 +159,13 @@ def test_kernel_options_become_op_arguments():
 def test_softmax_spellings(spelling):
     gm = single_graph(ChainModel(scale=None, scale_after="single", softmax=spelling), make_input(8, 32))
     [match], misses = rewrite(gm, families=CHAINS)
-    assert match.pattern == "linear_batch_norm_scale_softmax" and misses == []
+    assert match.pattern == "linear_batch_norm_mul_softmax" and misses == []
 
 
 def test_softmax_over_batch_dim_is_left_out_with_reason():
     gm = single_graph(ChainModel(scale=None, scale_after="single", softmax="dim0"), make_input(8, 32))
     [match], [miss] = rewrite(gm, families=CHAINS)
-    assert match.pattern == "linear_batch_norm_scale"
+    assert match.pattern == "linear_batch_norm_mul"
     assert "softmax over dim 0" in miss.reason
     assert count_calls(gm, (F.softmax,)) == 1 and count_calls(gm, (FUSED_OP,)) == 1
 
@@ -185,9 +185,14 @@ class TailWithSecondUser(nn.Module):
         return torch.softmax(u, dim=1) + extra
 
 
-@pytest.mark.parametrize("reused, pattern", [("batch_norm", "linear_batch_norm"),
-                                             ("scaled", "linear_batch_norm_scale")])
-def test_tail_stops_at_an_intermediate_with_another_user(reused, pattern):
+@pytest.mark.parametrize("reused, pattern, reason", [
+    ("batch_norm", "linear_batch_norm", "`b` would keep a user outside it"),
+    ("scaled", "linear_batch_norm_mul", "not fused after `u`: it has other users")])
+def test_tail_stops_at_an_intermediate_with_another_user(reused, pattern, reason):
+    """Also a miss for the add of two full tensors, which is no tail step."""
     gm = single_graph(TailWithSecondUser(reused), make_input(8, 32))
-    [match], [miss] = rewrite(gm, families=CHAINS)
-    assert match.pattern == pattern and "other users" in miss.reason
+    [match], misses = rewrite(gm, families=CHAINS)
+    assert match.pattern == pattern and count_calls(gm, (FUSED_OP,)) == 1
+    assert sorted(m.node.name for m in misses) == sorted(["add", "u" if reused == "batch_norm" else "softmax"])
+    assert any(reason in m.reason for m in misses), [m.reason for m in misses]
+    assert any("only numbers and tensors of shape" in m.reason for m in misses)

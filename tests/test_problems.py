@@ -16,7 +16,9 @@ PROBLEMS_DIR = Path(__file__).parent.parent / "demos" / "problems"
 CASES = {
     "gemm_scale_batchnorm": ("gemm_scale_batchnorm", None, "linear_scale_batch_norm"),
     "gemm_scale_batchnorm@1024x8192x8192": ("gemm_scale_batchnorm", (1024, 8192, 8192), "linear_scale_batch_norm"),
-    "gemm_batchnorm_scale_softmax": ("gemm_batchnorm_scale_softmax", None, "linear_batch_norm_scale_softmax"),
+    "gemm_batchnorm_scale_softmax": ("gemm_batchnorm_scale_softmax", None, "linear_batch_norm_mul_softmax"),
+    "gemm_batchnorm": ("gemm_batchnorm", None, "linear_batch_norm"),
+    "gemm_batchnorm_swish": ("gemm_batchnorm_swish", None, "linear_batch_norm_add_div_sigmoid_mul"),
 }
 CPU_SIZE = (64, 96, 40)  # batch, in_features, out_features
 
@@ -28,8 +30,9 @@ def problem_model(case, device, size=None):
     torch.manual_seed(0)
     model = problem.Model(*problem.get_init_inputs())
     randomize_batch_norm(model.bn)
-    with torch.no_grad():
-        model.scale.copy_(torch.randn_like(model.scale) * 0.5 + 1.0)
+    if hasattr(model, "scale"):
+        with torch.no_grad():
+            model.scale.copy_(torch.randn_like(model.scale) * 0.5 + 1.0)
     return problem, model.to(device)
 
 

@@ -54,7 +54,8 @@ def replace(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Kern
 def describe(match: Match) -> dict[str, Any]:
     lin = match.get("linear")
     return {"shapes": {"x": _shape(lin.x), "weight": _shape(lin.weight), "out": _shape(match.last)},
-            "dtypes": {"x": "float32", "linear": "float32", "out": "float32"}, "training": None}
+            "dtypes": {"x": "float32", "linear": "float32", "out": "float32"}, "training": None,
+            "tail": "-"}
 
 
 def _shape(node: Node) -> tuple:

@@ -1,4 +1,4 @@
-"""The family `linear -> [* s1] -> batch_norm -> [* s2] -> [softmax over the features]` and its
+"""The family `linear -> [* s1] -> batch_norm -> [pointwise tail] -> [softmax over the features]` and its
 replacement, one call of `torch.ops.fusepass.linear_scale_batch_norm` (fusepass/lowering/).
 
 Pattern: the steps below, anchored on batch_norm. Replacement: the op, its arguments built by name
@@ -15,16 +15,18 @@ from typing import Any, Optional
 import torch
 from torch.fx import Graph, Node
 
-from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Kernel, Linear, Scale, flatten
-from fusepass.pattern import (BATCH_NORM_TARGETS, LINEAR_TARGETS, MUL_TARGETS, SOFTMAX_TARGETS, ChainFamily, Match,
-                              ScaleArgs, Step, meta_value, parse_batch_norm, parse_linear, parse_scale, parse_softmax)
+from fusepass.lowering.pointwise import MAX_TAIL_TENSORS
+from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Kernel, Linear, Scale, Tail, flatten
+from fusepass.pattern import (BATCH_NORM_TARGETS, LINEAR_TARGETS, MUL_TARGETS, SOFTMAX_TARGETS, TAIL_TARGETS,
+                              ChainFamily, Match, ScaleArgs, Step, TailArgs, grow_tail, meta_value, parse_batch_norm,
+                              parse_linear, parse_scale, parse_softmax)
 
 FUSED_OP = torch.ops.fusepass.linear_scale_batch_norm.default
 
 LINEAR = Step("linear", "linear", LINEAR_TARGETS, parse_linear)
 SCALE_BEFORE = Step("scale_before", "scale", MUL_TARGETS, parse_scale, optional=True)
 BATCH_NORM = Step("batch_norm", "batch_norm", BATCH_NORM_TARGETS, parse_batch_norm)
-SCALE_AFTER = Step("scale_after", "scale", MUL_TARGETS, parse_scale, optional=True)
+TAIL = Step("tail", "tail", TAIL_TARGETS, None, optional=True, grow=grow_tail)
 SOFTMAX = Step("softmax", "softmax", SOFTMAX_TARGETS, parse_softmax, optional=True)
 
 
@@ -63,6 +65,12 @@ def _op_args(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Ker
         with graph.inserting_before(match.last):
             return _cast(graph, value, compute_dtype)
 
+    def tail(step: Optional[TailArgs]) -> Tail:
+        if step is None:
+            return Tail()
+        tensors = [node(t) for t in step.tensors] + [None] * (MAX_TAIL_TENSORS - len(step.tensors))
+        return Tail(step.program, *tensors)
+
     def scale(step: Optional[ScaleArgs]) -> Scale:
         if step is None:
             return Scale()
@@ -75,7 +83,7 @@ def _op_args(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Ker
         batch_norm=BatchNorm(weight=node(bn.weight), bias=node(bn.bias), running_mean=node(bn.running_mean),
                              running_var=node(bn.running_var), training=bn.training, momentum=bn.momentum,
                              eps=bn.eps),
-        scale_after=scale(match.get("scale_after")),
+        tail=tail(match.get("tail")),
         softmax=match.get("softmax") is not None,
         out_dtype=result.dtype,
         save_linear_out=bool(result.requires_grad),  # the backward needs it; inference does not
@@ -98,6 +106,7 @@ def describe(match: Match) -> dict[str, Any]:
         "shapes": {"x": _shape(linear.x), "weight": _shape(linear.weight), "out": _shape(last)},
         "dtypes": {"x": _dtype(linear.x), "linear": _dtype(first), "out": _dtype(last)},
         "training": bn.training,
+        "tail": match.get("tail").program if match.get("tail") else "-",
     }
 
 
@@ -111,5 +120,5 @@ def _dtype(node: Any):
     return str(value.dtype).replace("torch.", "") if isinstance(value, torch.Tensor) else None
 
 
-FAMILY = ChainFamily(head=(LINEAR, SCALE_BEFORE), anchor=BATCH_NORM, tail=(SCALE_AFTER, SOFTMAX),
+FAMILY = ChainFamily(head=(LINEAR, SCALE_BEFORE), anchor=BATCH_NORM, tail=(TAIL, SOFTMAX),
                      replace=replace, describe=describe)

@@ -1,6 +1,6 @@
-"""The fused op's backward: gradients of every differentiable argument. The batch-norm and softmax
-terms are plain PyTorch (Inductor compiles them with the rest of the backward graph into its own fused
-reductions and pointwise kernels); the two GEMMs, dX and dW, are calls of `fusepass::linear`
+"""The fused op's backward: gradients of every differentiable argument. The batch-norm, tail and softmax
+terms are plain PyTorch, the tail's derivatives eager's own (pointwise.py); Inductor compiles them with
+the rest of the backward graph into its own fused reductions and pointwise kernels. The two GEMMs, dX and dW, are calls of `fusepass::linear`
 (linear.py), so in fp32 they run on the same 3xTF32 tensor-core GEMM as the forward, or on cuBLAS at
 eager's precision where that is faster.
 
@@ -11,12 +11,11 @@ to rounding noise.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch import Tensor
 
-from fusepass.lowering import linear
+from fusepass.lowering import linear, pointwise
 from fusepass.lowering.reference import affine
 from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Linear, Scale, gradients_in_op_order, unflatten
 
@@ -27,36 +26,36 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:
     ctx.mark_non_differentiable(outputs.new_running_mean, outputs.new_running_var, outputs.linear_out,
                                 outputs.mean, outputs.invstd)
     lin, bn = args.linear, args.batch_norm
-    ctx.save_for_backward(lin.x, lin.weight, args.scale_before.tensor, bn.weight, bn.bias, args.scale_after.tensor,
+    ctx.save_for_backward(lin.x, lin.weight, args.scale_before.tensor, bn.weight, bn.bias, *args.tail.tensors,
                           outputs.linear_out, outputs.mean, outputs.invstd, outputs.out if args.softmax else None)
     ctx.training, ctx.eps, ctx.save_linear_out, ctx.softmax = bn.training, bn.eps, args.save_linear_out, args.softmax
-    ctx.scale_before_value, ctx.scale_after_value = args.scale_before.value, args.scale_after.value
+    ctx.scale_before_value, ctx.tail_program = args.scale_before.value, args.tail.program
     ctx.bias_dtype = lin.bias.dtype if lin.bias is not None else None
     ctx.kernel = args.kernel
 
 
 def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tuple:
-    (x, weight, scale_tensor, bn_weight, bn_bias, scale_after_tensor, linear_out, mean, invstd,
-     out) = ctx.saved_tensors
+    (x, weight, scale_tensor, bn_weight, bn_bias, *tail_tensors, linear_out, mean, invstd, out) = ctx.saved_tensors
     if not ctx.save_linear_out:
         raise RuntimeError("fusepass.linear_scale_batch_norm was called with save_linear_out=False; no backward")
     need: ChainArgs = unflatten(ctx.needs_input_grad)
-    s1, s2 = Scale(scale_tensor, ctx.scale_before_value), Scale(scale_after_tensor, ctx.scale_after_value)
+    s1 = Scale(scale_tensor, ctx.scale_before_value)
     y = linear_out.float()
     x_hat = (y * s1.factor() - mean) * invstd
     g = grad_out.float()
+    probs = None
     if ctx.softmax:  # through softmax: p * (g - sum(g * p))
-        p = out.float()
-        g = p * (g - (g * p).sum(1, keepdim=True))
+        probs = out.float()
+        g = probs * (g - (g * probs).sum(1, keepdim=True))
     grads = {}
-    if need.scale_after.tensor and s2.tensor is not None:
+    if ctx.tail_program:  # through the pointwise tail, recomputed from the batch norm's output
         bn_out = affine(x_hat, BatchNorm(bn_weight, bn_bias, None, None, ctx.training, 0.0, ctx.eps))
-        if ctx.softmax and s2.tensor.numel() == 1:
-            # Each row of the softmax gradient sums to exactly 0, so a one-element scale's gradient is a
-            # covariance under p: centring bn_out per row removes the rounding of that 0 from the sum.
-            bn_out = bn_out - (p * bn_out).sum(1, keepdim=True)
-        grads["scale_after_tensor"] = _reduce_to(g * bn_out, s2.tensor)
-    g = g * s2.factor()  # now the gradient w.r.t. the batch_norm output
+        values = pointwise.run(ctx.tail_program, bn_out, tail_tensors)
+        g, tensor_grads = pointwise.backward(ctx.tail_program, values, g, tail_tensors, softmax_probs=probs)
+        for slot, grad in tensor_grads.items():
+            if getattr(need.tail, f"tensor_{slot}"):
+                grads[f"tail_tensor_{slot}"] = grad
+    # g is now the gradient w.r.t. the batch_norm output
 
     g_hat = g * bn_weight.float() if bn_weight is not None else g
     sum_g_xhat = (g_hat * x_hat).sum(0)
@@ -92,7 +91,7 @@ def _linear_bias_grad(ctx, grad_y: Tensor) -> Tensor:
 def _scale_grad(ctx, scale: Scale, grad_z: Tensor, y: Tensor, g_hat: Tensor, sum_g_xhat: Tensor,
                 invstd: Tensor) -> Tensor:
     if not ctx.training:
-        return _reduce_to((grad_z * y).sum(0), scale.tensor)
+        return pointwise.reduce_to((grad_z * y).sum(0), scale.tensor)
     s = scale.factor()
     # Scaling a feature changes its normalized value only through eps, so the direct sum(grad_z * y)
     # cancels almost completely. Its exact value, sum(g_hat * x_hat) * eps * invstd^2 / s, does not
@@ -106,12 +105,4 @@ def _scale_grad(ctx, scale: Scale, grad_z: Tensor, y: Tensor, g_hat: Tensor, sum
     g64, y64 = g_hat.double(), y.double()
     dg, dy = g64 - g64[:1], y64 - y64[:1]
     co_moment = ((dg * dy).sum(0) - dg.sum(0) * (dy.sum(0) / y.shape[0])).float()
-    return _reduce_to(torch.where(s != 0, closed_form, invstd * co_moment), scale.tensor)
-
-
-def _reduce_to(grad: Tensor, scale: Optional[Tensor]) -> Tensor:
-    """Sums a broadcast gradient down to the scale's shape. A one-element scale sums everything:
-    that single reduction accumulates in float64, cheaply and as exactly as it can."""
-    if scale.numel() == 1:
-        return grad.double().sum().reshape(scale.shape).to(scale.dtype)
-    return grad.sum_to_size(scale.shape).to(scale.dtype)
+    return pointwise.reduce_to(torch.where(s != 0, closed_form, invstd * co_moment), scale.tensor)

@@ -5,7 +5,7 @@ Epilogues (EPILOGUE):
   EPILOGUE_LINEAR      store y (in x's dtype, like eager's linear);
   EPILOGUE_STATISTICS  store y, and per row-tile and feature the mean and M2 of z = y * s1 (merged later
                        with Chan's formula by the passes after the GEMM);
-  EPILOGUE_NORMALIZE   eval mode: store ((z - running_mean) * invstd * gamma + beta) * s2 directly (and y
+  EPILOGUE_NORMALIZE   eval mode: store tail((z - running_mean) * invstd * gamma + beta) directly (and y
                        only if the backward needs it).
 In eval mode the first row of programs also writes the per-feature mean and invstd the op returns.
 
@@ -30,8 +30,10 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fusepass.lowering import pointwise
 from fusepass.lowering.launch import launch, present_or_placeholder, unused_pointer
-from fusepass.lowering.schema import BatchNorm, Linear, Scale
+from fusepass.lowering.pointwise import apply_tail
+from fusepass.lowering.schema import BatchNorm, Linear, Scale, Tail
 from fusepass.lowering.tiles import batch_norm_tile, inverse_std, load_scale, tile_column_stats
 
 # GEMM precisions (PRECISION).
@@ -179,7 +181,9 @@ def _gemm_kernel(
     # pointers: GEMM operands
     x_ptr, w_ptr, lo_ptr, bias_ptr,
     # pointers: batch-norm parameters and statistics
-    scale_ptr, running_mean_ptr, running_var_ptr, gamma_ptr, beta_ptr, scale_after_ptr,
+    scale_ptr, running_mean_ptr, running_var_ptr, gamma_ptr, beta_ptr,
+    # pointers: the pointwise tail's tensor operands
+    tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3,
     # pointers: outputs
     y_ptr, out_ptr, part_mean_ptr, part_m2_ptr, mean_ptr, invstd_ptr,
     # sizes
@@ -187,11 +191,12 @@ def _gemm_kernel(
     # strides
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_om, stride_on,
     # scalars
-    scale_value, scale_after_value, eps,
+    scale_value, eps,
     # meta-parameters
     PRECISION: tl.constexpr, EPILOGUE: tl.constexpr, STORE_Y: tl.constexpr, EVAL_STATS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr,
-    HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
+    TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -278,8 +283,9 @@ def _gemm_kernel(
             tl.store(mean_ptr + cols, mean, mask=col_mask)
             tl.store(invstd_ptr + cols, invstd, mask=col_mask)
         if EPILOGUE == EPILOGUE_NORMALIZE:
-            s2 = load_scale(scale_after_ptr, scale_after_value, cols, col_mask, SCALE_AFTER_MODE)
-            u = batch_norm_tile(y, s, mean, invstd, gamma_ptr, beta_ptr, s2, cols, col_mask, HAS_GAMMA, HAS_BETA)
+            u = batch_norm_tile(y, s, mean, invstd, gamma_ptr, beta_ptr, cols, col_mask, HAS_GAMMA, HAS_BETA)
+            u = apply_tail(u, cols, col_mask, (tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3),
+                           TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
             tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
                      u.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -312,7 +318,7 @@ class EvalNormalization:
     batch_norm: BatchNorm
     mean: Tensor
     invstd: Tensor
-    scale_after: Scale = Scale()
+    tail: Tail = Tail()
     out_dtype: Optional[torch.dtype] = None
 
 
@@ -357,20 +363,20 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
         operands = (_descriptor(x, config.block_m, config.block_k), _descriptor(weight, config.block_n, config.block_k),
                     _descriptor(lo, *lo_tile))
     bn = eval_norm.batch_norm if eval_norm else None
-    scale_after = eval_norm.scale_after if eval_norm else Scale()
+    tail = eval_norm.tail if eval_norm else Tail()
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     launch(_gemm_kernel)[grid](
         *operands, opt(bias),
         opt(scale_before.tensor), opt(bn and bn.running_mean), opt(bn and bn.running_var),
-        opt(bn and bn.weight), opt(bn and bn.bias), opt(scale_after.tensor),
+        opt(bn and bn.weight), opt(bn and bn.bias), *(opt(t) for t in tail.tensors),
         y, opt(out), part_mean, part_m2, opt(eval_norm and eval_norm.mean), opt(eval_norm and eval_norm.invstd),
         m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         *(y.stride() if store_y else (0, 0)), *(out.stride() if normalizes else (0, 0)),
-        scale_before.value, scale_after.value, bn.eps if bn else 0.0,
+        scale_before.value, bn.eps if bn else 0.0,
         PRECISION=(PRECISIONS[precision] if x.dtype == torch.float32 else NATIVE).value,
         EPILOGUE=epilogue, STORE_Y=store_y, EVAL_STATS=eval_norm is not None,
-        HAS_BIAS=bias is not None, SCALE_MODE=scale_before.mode, SCALE_AFTER_MODE=scale_after.mode,
+        HAS_BIAS=bias is not None, SCALE_MODE=scale_before.mode, **pointwise.kernel_meta(tail.program, tail.tensors),
         HAS_GAMMA=bn is not None and bn.weight is not None, HAS_BETA=bn is not None and bn.bias is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         EVEN_K=k % config.block_k == 0, USE_TMA=config.tma,

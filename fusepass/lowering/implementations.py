@@ -36,7 +36,7 @@ def on_triton_gemm(args: ChainArgs, precision: str, config: gemm.GemmConfig) -> 
         g = gemm.run_gemm(args.linear, epilogue=gemm.EPILOGUE_LINEAR.value, eval_norm=eval_norm, **run)
         out = output_pass(g.y, args, stats, _output_buffer(g.y, args))
     else:
-        eval_norm = gemm.EvalNormalization(bn, stats.mean, stats.invstd, args.scale_after, args.out_dtype)
+        eval_norm = gemm.EvalNormalization(bn, stats.mean, stats.invstd, args.tail, args.out_dtype)
         g = gemm.run_gemm(args.linear, epilogue=gemm.EPILOGUE_NORMALIZE.value, store_y=args.save_linear_out,
                           eval_norm=eval_norm, **run)
         out = g.out

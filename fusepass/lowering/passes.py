@@ -19,9 +19,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fusepass.lowering import pointwise
 from fusepass.lowering.launch import launch, present_or_placeholder, unused_pointer
+from fusepass.lowering.pointwise import apply_tail
 from fusepass.lowering.reference import new_running_stat_shape, running_stats_dtype
-from fusepass.lowering.schema import BatchNorm, ChainArgs, Scale
+from fusepass.lowering.schema import BatchNorm, ChainArgs, Scale, Tail
 from fusepass.lowering.tiles import (INTERPRETED, batch_norm_tile, chan_merge, exp_accurate, inverse_std,
                                      load_scale, tile_column_stats)
 
@@ -157,26 +159,30 @@ def _finalize_stats_kernel(
 
 @triton.jit
 def _normalized_tile(
-    params, mean, invstd, rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value, scale_after_value,
-    SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    params, tail_tensors, mean, invstd, rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value,
+    SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
+    TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
 ):
-    """u = ((y * s1 - mean) * invstd * gamma + beta) * s2 for one tile, in fp32. `params` holds the
-    pointers (y, s1, gamma, beta, s2)."""
-    y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr = params
+    """tail((y * s1 - mean) * invstd * gamma + beta) for one tile, in fp32. `params` holds the pointers
+    (y, s1, gamma, beta), `tail_tensors` the tail's tensor operands."""
+    y_ptr, scale_ptr, gamma_ptr, beta_ptr = params
     mask = row_mask[:, None] & col_mask[None, :]
     s = load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
     y = tl.load(y_ptr + rows[:, None] * stride_yr + cols[None, :] * stride_yc, mask=mask, other=0.0)
-    s2 = load_scale(scale_after_ptr, scale_after_value, cols, col_mask, SCALE_AFTER_MODE)
-    return batch_norm_tile(y.to(tl.float32), s, mean, invstd, gamma_ptr, beta_ptr, s2, cols, col_mask,
-                           HAS_GAMMA, HAS_BETA)
+    u = batch_norm_tile(y.to(tl.float32), s, mean, invstd, gamma_ptr, beta_ptr, cols, col_mask, HAS_GAMMA, HAS_BETA)
+    return apply_tail(u, cols, col_mask, tail_tensors, TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A,
+                      TAIL_B, TAIL_TENSOR_MODES)
 
 
 @triton.jit
 def _output_tile(
-    params, stats, rows, cols, row_mask, col_mask, row_program, n_rows, n_cols, n_parts, rows_per_part,
-    stride_yr, stride_yc, scale_value, scale_after_value, momentum, eps,
-    SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    params, tail_tensors, stats, rows, cols, row_mask, col_mask, row_program, n_rows, n_cols, n_parts,
+    rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
+    SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
     STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
+    TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
+    TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
 ):
     """The normalized tile u of some rows and columns, with its columns' statistics. Every output pass
     (and both softmax sweeps) computes u through this one function, so the compiler builds the same
@@ -184,14 +190,16 @@ def _output_tile(
     the other not, numerators and sum would disagree by up to |u| ulps."""
     mean, invstd = _column_statistics(stats, cols, col_mask, row_program, n_rows, n_cols, n_parts, rows_per_part,
                                       momentum, eps, STATS_SOURCE, UPDATE_RUNNING)
-    return _normalized_tile(params, mean, invstd, rows, cols, row_mask, col_mask, stride_yr, stride_yc,
-                            scale_value, scale_after_value, SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA)
+    return _normalized_tile(params, tail_tensors, mean, invstd, rows, cols, row_mask, col_mask, stride_yr, stride_yc,
+                            scale_value, SCALE_MODE, HAS_GAMMA, HAS_BETA, TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
 
 
 @triton.jit
 def _normalize_kernel(
     # pointers: input, parameters, output
-    y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr, out_ptr,
+    y_ptr, scale_ptr, gamma_ptr, beta_ptr, out_ptr,
+    # pointers: the tail's tensor operands
+    tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3,
     # pointers: statistics
     part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
     mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
@@ -200,13 +208,16 @@ def _normalize_kernel(
     # strides
     stride_yr, stride_yc, stride_or, stride_oc,
     # scalars
-    scale_value, scale_after_value, momentum, eps,
+    scale_value, momentum, eps,
     # meta-parameters
-    SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
     STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
+    TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
 ):
-    """out = ((y * s1 - mean) * invstd * gamma + beta) * s2, stored in out's dtype."""
-    params = (y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr)
+    """out = tail((y * s1 - mean) * invstd * gamma + beta), stored in out's dtype."""
+    params = (y_ptr, scale_ptr, gamma_ptr, beta_ptr)
+    tail_tensors = (tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3)
     stats = (part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
              mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr)
     pid_r = tl.program_id(0)
@@ -214,9 +225,9 @@ def _normalize_kernel(
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < n_rows
     col_mask = cols < n_cols
-    u = _output_tile(params, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols, n_parts, rows_per_part,
-                     stride_yr, stride_yc, scale_value, scale_after_value, momentum, eps,
-                     SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING)
+    u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols, n_parts,
+                     rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
+                     SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
     tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
              u.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -224,7 +235,9 @@ def _normalize_kernel(
 @triton.jit
 def _normalize_softmax_kernel(
     # pointers: input, parameters, output
-    y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr, out_ptr,
+    y_ptr, scale_ptr, gamma_ptr, beta_ptr, out_ptr,
+    # pointers: the tail's tensor operands
+    tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3,
     # pointers: statistics
     part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
     mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
@@ -233,15 +246,18 @@ def _normalize_softmax_kernel(
     # strides
     stride_yr, stride_yc, stride_or, stride_oc,
     # scalars
-    scale_value, scale_after_value, momentum, eps,
+    scale_value, momentum, eps,
     # meta-parameters
-    SCALE_MODE: tl.constexpr, SCALE_AFTER_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
     STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
+    TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
     ACCURATE_EXP: tl.constexpr,
 ):
-    """out = softmax(u, dim=-1) for BLOCK_R whole rows of any length: an online max/sum sweep over
+    """out = softmax(tail(u), dim=-1) for BLOCK_R whole rows of any length: an online max/sum sweep over
     the columns, then a sweep that writes exp(u - max) / sum. fp32 throughout."""
-    params = (y_ptr, scale_ptr, gamma_ptr, beta_ptr, scale_after_ptr)
+    params = (y_ptr, scale_ptr, gamma_ptr, beta_ptr)
+    tail_tensors = (tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3)
     stats = (part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
              mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr)
     pid_r = tl.program_id(0)
@@ -252,9 +268,9 @@ def _normalize_softmax_kernel(
     for c0 in range(0, n_cols, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         col_mask = cols < n_cols
-        u = _output_tile(params, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols, n_parts,
-                         rows_per_part, stride_yr, stride_yc, scale_value, scale_after_value, momentum, eps,
-                         SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING)
+        u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols,
+                         n_parts, rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
+                         SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
         u = tl.where(col_mask[None, :], u, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(u, axis=1))
         # While a row has seen only -inf, subtract 0 instead of -inf so that no -inf - -inf NaN appears
@@ -268,9 +284,9 @@ def _normalize_softmax_kernel(
         cols = c0 + tl.arange(0, BLOCK_C)
         col_mask = cols < n_cols
         # Row program 1 stores no statistics: the first sweep stored them already.
-        u = _output_tile(params, stats, rows, cols, row_mask, col_mask, 1, n_rows, n_cols, n_parts,
-                         rows_per_part, stride_yr, stride_yc, scale_value, scale_after_value, momentum, eps,
-                         SCALE_MODE, SCALE_AFTER_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING)
+        u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, 1, n_rows, n_cols,
+                         n_parts, rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
+                         SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
         u = tl.where(col_mask[None, :], u, float("-inf"))
         p = tl.math.div_rn(exp_accurate(u - shift[:, None], ACCURATE_EXP), row_sum[:, None])
         tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
@@ -359,6 +375,11 @@ def _fp32_vector(n: int, device) -> Tensor:
     return torch.empty(n, device=device, dtype=torch.float32)
 
 
+def tail_pointers(tail: Tail, placeholder: Tensor) -> tuple[Tensor, ...]:
+    """The kernels' four tail-tensor pointers; absent ones get the placeholder."""
+    return tuple(present_or_placeholder(t, placeholder) for t in tail.tensors)
+
+
 def partial_statistics(y: Tensor, scale: Scale) -> Partials:
     """Per strip of rows and column, mean and M2 of y * s."""
     n_rows, n_cols = y.shape
@@ -404,23 +425,25 @@ def merges_in_output_pass(n_rows: int, n_cols: int, n_parts: int, y_element_size
 
 def output_pass(y: Tensor, args: ChainArgs, stats: Statistics, out: Tensor,
                 softmax_launch: SoftmaxLaunch = SOFTMAX_LAUNCH) -> Tensor:
-    """Writes out = [softmax](((y * s1 - mean) * invstd * gamma + beta) * s2), with mean and invstd from
+    """Writes out = [softmax](tail((y * s1 - mean) * invstd * gamma + beta)), with mean and invstd from
     stats.source. `out` may be y itself: every program reads a tile (or a row) before it writes it, and
     nothing else reads it."""
     n_rows, n_cols = y.shape
     placeholder = unused_pointer(y.device)
-    s1, s2, bn = args.scale_before, args.scale_after, args.batch_norm
+    s1, bn = args.scale_before, args.batch_norm
     kernel_args = (
         y, present_or_placeholder(s1.tensor, placeholder), present_or_placeholder(bn.weight, placeholder),
-        present_or_placeholder(bn.bias, placeholder), present_or_placeholder(s2.tensor, placeholder), out,
+        present_or_placeholder(bn.bias, placeholder), out,
+        *tail_pointers(args.tail, placeholder),
         *stats.pointers(),
         n_rows, n_cols, *stats.sizes(),
         y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        s1.value, s2.value, *stats.scalars(),
+        s1.value, *stats.scalars(),
     )
-    meta = dict(SCALE_MODE=s1.mode, SCALE_AFTER_MODE=s2.mode, HAS_GAMMA=bn.weight is not None,
+    meta = dict(SCALE_MODE=s1.mode, HAS_GAMMA=bn.weight is not None,
                 HAS_BETA=bn.bias is not None, STATS_SOURCE=stats.source,
-                UPDATE_RUNNING=stats.source == STATS_MERGE.value and bn.updates_running_stats)
+                UPDATE_RUNNING=stats.source == STATS_MERGE.value and bn.updates_running_stats,
+                **pointwise.kernel_meta(args.tail.program, args.tail.tensors))
     if args.softmax:
         launch(_normalize_softmax_kernel)[(triton.cdiv(n_rows, softmax_launch.block_r),)](
             *kernel_args, **meta, BLOCK_R=softmax_launch.block_r, BLOCK_C=softmax_launch.block_c(n_cols),

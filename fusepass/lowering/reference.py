@@ -2,8 +2,9 @@
 
     y   = linear(x, W, b)                              # in x's dtype, like eager
     z   = y * s1
-    u   = ((z - mean) * invstd * gamma + beta) * s2    # batch statistics (training) or running ones (eval)
-    out = softmax(u, dim=-1)  or  u                    # max-subtracted, fp32
+    u   = (z - mean) * invstd * gamma + beta           # batch statistics (training) or running ones (eval)
+    t   = tail(u)                                      # the pointwise ops after batch norm (pointwise.py)
+    out = softmax(t, dim=-1)  or  t                    # max-subtracted, fp32
 
 In training the running statistics get the momentum update with the unbiased variance. Everything after
 the linear runs in fp32.
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fusepass.lowering import pointwise
 from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs
 
 
@@ -31,7 +33,7 @@ def reference(args: ChainArgs) -> ChainOutputs:
         # Copies: an op's outputs must not alias its inputs.
         mean, var = bn.running_mean.to(torch.float32, copy=True), bn.running_var.to(torch.float32, copy=True)
     invstd = 1.0 / torch.sqrt(var + bn.eps)
-    out = affine((z - mean) * invstd, bn) * args.scale_after.factor()
+    out = pointwise.run(args.tail.program, affine((z - mean) * invstd, bn), args.tail.tensors)[-1]
     if args.softmax:
         out = torch.softmax(out, dim=-1)
     new_mean, new_var = updated_running_stats(bn, z.shape[0], mean, var)

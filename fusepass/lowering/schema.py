@@ -1,7 +1,7 @@
 """The fused op's arguments and outputs, described once.
 
 `ChainArgs` is the op's signature: one group per step of the chain
-`linear -> [* scale_before] -> batch_norm -> [* scale_after] -> [softmax]`, plus what the op returns
+`linear -> [* scale_before] -> batch_norm -> [pointwise tail] -> [softmax]`, plus what the op returns
 and how it runs. The op's registered schema, the fake, the reference, the implementations, the
 autograd context and the graph rewrite all take their arguments from it, by name. Adding a step to the
 chain means adding a group here: the schema follows.
@@ -21,6 +21,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from fusepass.lowering import pointwise
 from fusepass.lowering.tiles import scale_mode
 
 FP32_MATMUL = ("tf32x3", "ieee")
@@ -49,6 +50,21 @@ class Scale:
     def factor(self):
         """The scale as PyTorch math multiplies by it, in fp32."""
         return self.tensor.float() if self.tensor is not None else self.value
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The pointwise ops after batch norm (pointwise.py): the program's text ("" for none) and its tensor
+    operands, numbered from 0 (t0..t3 in the text); each of shape (F,), (1,) or ()."""
+    program: str = ""
+    tensor_0: Optional[Tensor] = None
+    tensor_1: Optional[Tensor] = None
+    tensor_2: Optional[Tensor] = None
+    tensor_3: Optional[Tensor] = None
+
+    @property
+    def tensors(self) -> tuple[Optional[Tensor], ...]:
+        return (self.tensor_0, self.tensor_1, self.tensor_2, self.tensor_3)
 
 
 @dataclass(frozen=True)
@@ -83,7 +99,7 @@ class ChainArgs:
     linear: Linear
     scale_before: Scale
     batch_norm: BatchNorm
-    scale_after: Scale
+    tail: Tail
     softmax: bool  # softmax over the features, max-subtracted, in fp32
     out_dtype: torch.dtype
     save_linear_out: bool  # also return the linear output: the backward needs it
@@ -97,6 +113,8 @@ class ChainArgs:
                              f"{torch.Size((1, self.linear.weight.shape[0]))}")
         if not self.batch_norm.training and self.batch_norm.running_mean is None:
             raise ValueError("batch_norm in eval mode needs running statistics")
+        if pointwise.tensor_count(self.tail.program) > sum(t is not None for t in self.tail.tensors):
+            raise ValueError(f"fusepass: the tail {self.tail.program!r} reads a tensor operand it was not given")
 
     @property
     def n_features(self) -> int:

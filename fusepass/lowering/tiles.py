@@ -73,12 +73,12 @@ def tile_column_stats(z, row_mask, count):
 
 
 @triton.jit
-def batch_norm_tile(y, s, mean, invstd, gamma_ptr, beta_ptr, s2, cols, col_mask,
+def batch_norm_tile(y, s, mean, invstd, gamma_ptr, beta_ptr, cols, col_mask,
                     HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr):
-    """u = ((y * s1 - mean) * invstd * gamma + beta) * s2 for an fp32 tile y, per-column vectors."""
+    """u = (y * s1 - mean) * invstd * gamma + beta for an fp32 tile y, per-column vectors."""
     u = (y * s[None, :] - mean[None, :]) * invstd[None, :]
     if HAS_GAMMA:
         u = u * tl.load(gamma_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_BETA:
         u = u + tl.load(beta_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    return u * s2[None, :]
+    return u

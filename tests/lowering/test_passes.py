@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from fusepass.lowering import passes
 from fusepass.lowering.schema import ChainOutputs
 from tests.chains import assert_no_further_from_float64
-from tests.lowering.cases import (HALF_DTYPES, KERNEL_DEVICE, SCALE_KINDS, assert_like_eager, make_args,
+from tests.lowering.cases import (HALF_DTYPES, KERNEL_DEVICE, SCALE_KINDS, TAILS, assert_like_eager, make_args,
                                   record_launches, unfused)
 
 
@@ -76,16 +76,27 @@ def test_nan_propagates_like_eager():
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("scale_after", ["single", "per_feature", "number"])
 @pytest.mark.parametrize("softmax", [True, False])
-def test_tail_passes_match_eager_by_float64(n, k, f, training, scale_after, softmax):
-    """The post-BN scale and the softmax. Rows longer than one block (8200 > 8192 columns) take several
-    online-softmax sweeps; in eval the logits reach |u| ~ 200 here, where any fp32 rounding of u moves
-    the softmax by ~|u| ulps."""
+def test_scale_and_softmax_passes_match_eager_by_float64(n, k, f, training, scale_after, softmax):
+    """A post-BN scale (the tail's mul) and the softmax. Rows longer than one block (8200 > 8192 columns)
+    take several online-softmax sweeps; in eval the logits reach |u| ~ 200 here, where any fp32 rounding
+    of u moves the softmax by ~|u| ulps."""
     args = make_args(n, k, f, scale="number", scale_after=scale_after, softmax=softmax, training=training)
     y, fused = run_passes(args)
     assert_like_eager(fused, args, y)
     if softmax:
         torch.testing.assert_close(fused.out.double().sum(1), torch.ones(n, dtype=torch.float64, device=y.device),
                                    rtol=1e-5, atol=0)  # fp32 probabilities
+
+
+@pytest.mark.parametrize("tail", sorted(TAILS))
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("softmax", [False, True])
+def test_tail_passes_match_eager_by_float64(tail, training, softmax):
+    """Every tail op in the output pass (odd shapes: masked rows and columns), against the same tail in
+    eager PyTorch by float64; with the softmax after it too."""
+    args = make_args(37, 23, 67, scale="per_feature", tail=tail, softmax=softmax, training=training)
+    y, fused = run_passes(args)
+    assert_like_eager(fused, args, y)
 
 
 @pytest.mark.parametrize("merge", [True, False])
