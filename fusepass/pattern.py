@@ -25,6 +25,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_DEVICES = ("cpu", "cuda")
 
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
+MATMUL_TARGETS = (operator.matmul, torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm)
+ADD_TARGETS = (operator.add, torch.add, torch.Tensor.add)
 MUL_TARGETS = (operator.mul, torch.mul, torch.Tensor.mul)
 BATCH_NORM_TARGETS = (F.batch_norm,)
 SOFTMAX_TARGETS = (F.softmax, torch.softmax, torch.Tensor.softmax)
@@ -82,8 +84,18 @@ class NoMatch(Exception):
 @dataclass(frozen=True)
 class LinearArgs:
     x: Node
-    weight: Node
+    weight: Node  # (out, in) for a linear; (in, out) for a matmul head (weight_in_out)
     bias: Optional[Node]
+    weight_in_out: bool = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return ("matmul",) if self.weight_in_out else ("linear",)
+
+
+@dataclass(frozen=True)
+class BiasArgs:
+    bias: Node  # a tensor of shape (out_features,), added to a matmul head's output
 
 
 @dataclass(frozen=True)
@@ -184,6 +196,31 @@ def parse_linear(node: Node) -> list[tuple[LinearArgs, Optional[Node]]]:
     _check_tensor(args["input"], "linear input", ndim=2)
     _check_tensor(node, "linear output", ndim=2)
     return [(LinearArgs(args["input"], args["weight"], args["bias"]), None)]
+
+
+def parse_head(node: Node) -> list[tuple[LinearArgs, Optional[Node]]]:
+    """A linear, or a matmul of a 2-D input by a 2-D weight in (in, out) layout (x @ W)."""
+    if _is_call(node, LINEAR_TARGETS):
+        return parse_linear(node)
+    args = _bind(node, ("input", "other"), {})
+    _check_tensor(args["input"], "matmul input", ndim=2)
+    _check_tensor(args["other"], "matmul weight", ndim=2)
+    _check_tensor(node, "matmul output", ndim=2)
+    return [(LinearArgs(args["input"], args["other"], None, weight_in_out=True), None)]
+
+
+def parse_bias(node: Node) -> list[tuple[BiasArgs, Optional[Node]]]:
+    """`x @ W + b` (either order) with b of shape (out_features,): a matmul head's bias."""
+    args = _bind(node, ("input", "other", "alpha"), {"alpha": 1})
+    if args["alpha"] != 1:
+        raise NoMatch(f"`{node.name}`: add with alpha")
+    for head, bias in ((args["input"], args["other"]), (args["other"], args["input"])):
+        head_value, bias_value = meta_value(head), meta_value(bias)
+        if (_is_call(head, MATMUL_TARGETS) and isinstance(head_value, torch.Tensor) and head_value.dim() == 2
+                and isinstance(bias_value, torch.Tensor) and tuple(bias_value.shape) == (head_value.shape[1],)
+                and bias_value.dtype in SUPPORTED_DTYPES):
+            return [(BiasArgs(bias), head)]
+    raise NoMatch(f"`{node.name}` is not a matmul's output plus a bias of shape (out_features,)")
 
 
 def _scale_like(operand: Any, n_features: int) -> bool:
@@ -471,7 +508,7 @@ class Match:
         names = []
         for step in self.steps:
             args = self.args.get(step.key)
-            names += list(args.names) if isinstance(args, TailArgs) else [step.name]
+            names += list(args.names) if isinstance(args, (TailArgs, LinearArgs)) else [step.name]
         return "_".join(names)
 
     @property
@@ -497,6 +534,9 @@ class _Failure:
     reason: str
     depth: int  # how many steps matched before failing: the deepest failure is the most telling
     nodes: tuple[Node, ...]
+    # At equal depth: a node that calls the step's op but does not fit it says more than one that calls
+    # another op, and a required step's "expected ..." more than an optional step's.
+    telling: tuple[bool, bool] = (False, False)
 
 
 def _match_head(steps: tuple[Step, ...], node: Node, matched: tuple) -> Union[list, _Failure]:
@@ -510,7 +550,8 @@ def _match_head(steps: tuple[Step, ...], node: Node, matched: tuple) -> Union[li
         interpretations = step.interpretations(node)
     except NoMatch as exc:
         interpretations = []
-        failures.append(_Failure(str(exc), len(matched), tuple(matched)))
+        failures.append(_Failure(str(exc), len(matched), tuple(matched),
+                                 (_is_call(node, step.targets), not step.optional)))
     for args, chain_input in interpretations:
         if len(node.users) != 1:
             users = ", ".join(u.name for u in node.users)
@@ -527,7 +568,7 @@ def _match_head(steps: tuple[Step, ...], node: Node, matched: tuple) -> Union[li
         if not isinstance(rest, _Failure):
             return rest
         failures.append(rest)
-    return max(failures, key=lambda f: f.depth)
+    return max(failures, key=lambda f: (f.depth, f.telling))
 
 
 def _match_tail(steps: tuple[Step, ...], node: Node) -> tuple[list, list[Miss]]:

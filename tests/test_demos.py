@@ -44,13 +44,15 @@ def test_quickstart_prints_no_warnings():
 def test_compare_runs_every_problem_shrunk():
     out, _ = run_demo("compare.py")
     assert "--shrink 32" in out and "WRONG" not in out
-    # 16384 x 4096 -> 4096, 1024 x 8192 -> 8192 (softmax; batch norm alone; with a four-op tail), the
+    # 16384 x 4096 -> 4096, 1024 x 8192 -> 8192 (softmax; batch norm alone; with a four-op tail; a
+    # matmul head), the
     # MLP 4096 x 1024 -> 256, and --size 1024,8192,8192: each size / 32
     for problem in ("gemm_scale_batchnorm@512x128x128", "gemm_batchnorm_scale_softmax@32x256x256",
                     "gemm_batchnorm@32x256x256", "gemm_batchnorm_swish@32x256x256",
+                    "matmul_batchnorm_scale_softmax@32x256x256",
                     "mlp_batchnorm@128x32x8", "gemm_scale_batchnorm@32x256x256"):
         assert f"\n{problem}\n" in out
-    assert out.count(" ok ") == 6 * 2 * 3  # problems x modes x providers
+    assert out.count(" ok ") == 7 * 2 * 3  # problems x modes x providers
 
 
 def test_explain_and_dump():

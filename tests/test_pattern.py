@@ -94,7 +94,7 @@ def test_intermediate_with_second_user_is_left_alone(reuse, node):
 
 @pytest.mark.parametrize("op, reason", [
     ("relu", "expected linear, found `relu`"),
-    ("add", "found `add`"),
+    ("add", "`add` is not a matmul's output plus a bias"),
     ("full_tensor_scale", "multiplies by something other than"),
 ])
 def test_chains_that_must_not_be_rewritten(op, reason):

@@ -19,6 +19,7 @@ CASES = {
     "gemm_batchnorm_scale_softmax": ("gemm_batchnorm_scale_softmax", None, "linear_batch_norm_mul_softmax"),
     "gemm_batchnorm": ("gemm_batchnorm", None, "linear_batch_norm"),
     "gemm_batchnorm_swish": ("gemm_batchnorm_swish", None, "linear_batch_norm_add_div_sigmoid_mul"),
+    "matmul_batchnorm_scale_softmax": ("matmul_batchnorm_scale_softmax", None, "matmul_batch_norm_mul_softmax"),
 }
 CPU_SIZE = (64, 96, 40)  # batch, in_features, out_features
 

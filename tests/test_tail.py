@@ -173,3 +173,68 @@ def test_in_place_op_on_a_shared_value_is_not_fused():
     report = explain(InPlaceOnShared(), make_input(8, 32))
     [match] = report.matches
     assert match["pattern"] == "linear_batch_norm"
+
+
+# --------------------------------------------------------------------------- the matmul head
+
+
+class MatmulHead(nn.Module):
+    """A cluster-assignment layer: N-D input flattened to (rows, D), times a (D, C) weight, [+ bias],
+    BatchNorm1d(C), softmax over C. `weight`: "parameter", or "activation" (computed in the graph)."""
+
+    def __init__(self, d=24, c=20, *, bias=False, flatten="view", weight="parameter", tail=False):
+        super().__init__()
+        self.clusters = nn.Parameter(torch.randn(d, c) / d**0.5)
+        self.bias = nn.Parameter(torch.randn(c)) if bias else None
+        self.bn = nn.BatchNorm1d(c)
+        randomize_batch_norm(self.bn)
+        self.d, self.flatten, self.weight, self.tail = d, flatten, weight, tail
+        self.linear = nn.Linear(d, 1)  # only for run(): in_features; unused in forward
+
+    def forward(self, x):
+        rows = {"view": lambda: x.view(-1, self.d), "reshape": lambda: x.reshape(-1, self.d),
+                "flatten": lambda: torch.flatten(x, 0, 1), "none": lambda: x}[self.flatten]()
+        w = self.clusters if self.weight == "parameter" else self.clusters * 0.5 + 0.1
+        a = rows @ w if self.bias is None else torch.matmul(rows, w) + self.bias
+        u = self.bn(a)
+        if self.tail:
+            u = F.gelu(u)
+        return F.softmax(u, dim=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({}, "matmul_batch_norm_softmax"),
+    ({"bias": True, "flatten": "reshape"}, "matmul_add_batch_norm_softmax"),
+    ({"flatten": "flatten", "tail": True}, "matmul_batch_norm_gelu_softmax"),
+    ({"weight": "activation"}, "matmul_batch_norm_softmax"),
+])
+def test_matmul_head_matches_eager_by_float64(kwargs, pattern, device):
+    """x.view(-1, D) @ W with W (D, C), a parameter or a value computed in the graph (its gradient
+    flows back through the fused op)."""
+    torch.manual_seed(25)
+    model = MatmulHead(**kwargs)
+    [match] = explain(model, torch.randn(3, 8, 24)).matches
+    assert match["pattern"] == pattern
+    trio = Trio.of(model.to(device), zero_grads=("bias",) if kwargs.get("bias") else (), float64_grads=())
+    for training in (True, False):
+        trio.train(training)
+        for _ in range(3):
+            trio.step(torch.randn(5, 9, 24, device=device) + 0.3)
+    trio.finish()
+    assert_fused(rewrites=2, graphs=2)
+
+
+class BatchedMatmul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w, self.bn = nn.Parameter(torch.randn(24, 20)), nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.bn(x @ self.w)  # (B, 6, 24) @ (24, 20): batch norm over the 6 channels of a 3-D tensor
+
+
+def test_batched_matmul_is_not_a_head():
+    """A 3-D matmul feeding BatchNorm1d over its channels is not a chain of this family."""
+    report = explain(BatchedMatmul(), torch.randn(4, 6, 24))
+    assert report.matches == [] and any("3-D" in miss["reason"] for miss in report.misses), report.misses

@@ -1,5 +1,5 @@
-"""The family `linear -> [* s1] -> batch_norm -> [pointwise tail] -> [softmax over the features]` and its
-replacement, one call of `torch.ops.fusepass.linear_scale_batch_norm` (fusepass/lowering/).
+"""The family `head -> [* s1] -> batch_norm -> [pointwise tail] -> [softmax over the features]`, the head
+a linear or a matmul by an (in, out) weight with an optional bias added, and its replacement, one call of `torch.ops.fusepass.linear_scale_batch_norm` (fusepass/lowering/).
 
 Pattern: the steps below, anchored on batch_norm. Replacement: the op, its arguments built by name
 (ChainArgs) from the steps' normalized arguments; in training, copies of the op's new running
@@ -17,13 +17,14 @@ from torch.fx import Graph, Node
 
 from fusepass.lowering.pointwise import MAX_TAIL_TENSORS
 from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Kernel, Linear, Scale, Tail, flatten
-from fusepass.pattern import (BATCH_NORM_TARGETS, LINEAR_TARGETS, MUL_TARGETS, SOFTMAX_TARGETS, TAIL_TARGETS,
-                              ChainFamily, Match, ScaleArgs, Step, TailArgs, grow_tail, meta_value, parse_batch_norm,
-                              parse_linear, parse_scale, parse_softmax)
+from fusepass.pattern import (ADD_TARGETS, BATCH_NORM_TARGETS, LINEAR_TARGETS, MATMUL_TARGETS, MUL_TARGETS,
+                              SOFTMAX_TARGETS, TAIL_TARGETS, ChainFamily, Match, ScaleArgs, Step, TailArgs, grow_tail,
+                              meta_value, parse_batch_norm, parse_bias, parse_head, parse_scale, parse_softmax)
 
 FUSED_OP = torch.ops.fusepass.linear_scale_batch_norm.default
 
-LINEAR = Step("linear", "linear", LINEAR_TARGETS, parse_linear)
+HEAD = Step("linear", "linear", LINEAR_TARGETS + MATMUL_TARGETS, parse_head)  # named by its args: linear, matmul
+BIAS = Step("bias", "add", ADD_TARGETS, parse_bias, optional=True)
 SCALE_BEFORE = Step("scale_before", "scale", MUL_TARGETS, parse_scale, optional=True)
 BATCH_NORM = Step("batch_norm", "batch_norm", BATCH_NORM_TARGETS, parse_batch_norm)
 TAIL = Step("tail", "tail", TAIL_TARGETS, None, optional=True, grow=grow_tail)
@@ -76,9 +77,13 @@ def _op_args(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Ker
             return Scale()
         return Scale(tensor=node(step.scale)) if isinstance(step.scale, Node) else Scale(value=float(step.scale))
 
+    weight = node(linear.weight, cast=True)
+    if linear.weight_in_out:  # x @ W: the op takes W as a linear does, (out, in); a view, not a copy
+        with graph.inserting_before(match.last):
+            weight = graph.call_method("t", (weight,))
+    bias = match.get("bias").bias if match.get("bias") is not None else linear.bias
     return ChainArgs(
-        linear=Linear(x=node(linear.x, cast=True), weight=node(linear.weight, cast=True),
-                      bias=node(linear.bias, cast=True)),
+        linear=Linear(x=node(linear.x, cast=True), weight=weight, bias=node(bias, cast=True)),
         scale_before=scale(match.get("scale_before")),
         batch_norm=BatchNorm(weight=node(bn.weight), bias=node(bn.bias), running_mean=node(bn.running_mean),
                              running_var=node(bn.running_var), training=bn.training, momentum=bn.momentum,
@@ -120,5 +125,5 @@ def _dtype(node: Any):
     return str(value.dtype).replace("torch.", "") if isinstance(value, torch.Tensor) else None
 
 
-FAMILY = ChainFamily(head=(LINEAR, SCALE_BEFORE), anchor=BATCH_NORM, tail=(TAIL, SOFTMAX),
+FAMILY = ChainFamily(head=(HEAD, BIAS, SCALE_BEFORE), anchor=BATCH_NORM, tail=(TAIL, SOFTMAX),
                      replace=replace, describe=describe)
