@@ -335,6 +335,10 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
     m, k = x.shape
     n = weight.shape[0]
     device = x.device
+    if x.dtype == torch.float32 and weight.stride(1) != 1:
+        # An (in, out) weight seen as (out, in) (a matmul head's W.t()): TF32 tensor cores read their
+        # second operand K-major only, so give them a K-major copy (the tuner times this copy with it).
+        weight = weight.contiguous()
     lo = None  # the low tf32 half of the operand split in memory
     if precision == "split_w":
         weight, lo = split_tf32(weight)
