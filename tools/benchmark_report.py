@@ -44,6 +44,9 @@ THIS = "python tools/benchmark_report.py"
 SCALE_BN = "demos/problems/gemm_scale_batchnorm.py"  # 16384 x 4096 -> 4096
 SOFTMAX = "demos/problems/gemm_batchnorm_scale_softmax.py"  # 1024 x 8192 -> 8192
 MLP = "demos/problems/mlp_batchnorm.py"  # torchvision.ops.MLP(1024, [4096, 4096, 256]) with BatchNorm1d, batch 4096
+BN = "demos/problems/gemm_batchnorm.py"  # 1024 x 8192 -> 8192, nothing after the batch norm
+SWISH = "demos/problems/gemm_batchnorm_swish.py"  # the same with a four-op pointwise tail
+MATMUL = "demos/problems/matmul_batchnorm_scale_softmax.py"  # SOFTMAX with a matmul head
 PROVIDERS = ("eager", "inductor", "max-autotune", "fusepass")
 CUDA_GRAPH_PROVIDERS = ("inductor-cudagraphs", "fusepass-cudagraphs")
 # Training steps are compared with eager and Inductor in both of Inductor's modes; max-autotune's cold
@@ -110,6 +113,11 @@ SPECS: list[Spec] = [
          size="128,1024,512", providers=PROVIDERS + CUDA_GRAPH_PROVIDERS),
     Spec("small-shapes-training", "small-shapes", (SCALE_BN, SOFTMAX), ("train",), ("fp32", "bf16-autocast"), 150,
          size="128,1024,512", backward=True, providers=TRAINING_PROVIDERS),
+    # A tail is free when the tail problem takes what BN does; a matmul head, when it takes what SOFTMAX does.
+    Spec("tails-heads-forward", "tails-heads", (BN, SWISH, MATMUL), ("train", "eval"), ("fp32",), 100,
+         providers=("eager", "inductor", "fusepass")),
+    Spec("tails-heads-training", "tails-heads", (BN, SWISH, MATMUL), ("train",), ("fp32",), 80, backward=True,
+         providers=("eager", "inductor", "fusepass")),
     # cold priming run (~190 s) + warm run (~40 s)
     Spec("compile-warm", "compile-warm", (SCALE_BN, SOFTMAX), ("train",), ("fp32", "bf16-autocast"), 230,
          timing=COMPILE_ONLY_TIMING, warm=True),
@@ -126,6 +134,7 @@ DEVICE_CALLS = [
     ("training-step-bf16",),
     ("small-shapes",),
     ("compile-warm",),
+    ("tails-heads",),
 ]
 
 COLD_NOTE = ("empty Inductor (FX-graph, autotuning), Triton and fusepass tuning caches of its own: "

@@ -31,6 +31,7 @@ TAILS = {
     "scale_zero_dim": ("mul(v0,t0)", ("zero_dim",), lambda u, t: u * t[0]),
     "scale_number": ("mul(v0,1.3)", (), lambda u, t: u * 1.3),
     "gelu_relu": ("gelu(v0);relu(v1)", (), lambda u, t: F.relu(F.gelu(u))),
+    "relu_neg": ("relu(v0);neg(v1)", (), lambda u, t: -F.relu(u)),
     "bias_div_swish": ("add(v0,t0);div(v1,3.0);sigmoid(v2);mul(v2,v3)", ("single",),
                        lambda u, t: (lambda v: v * torch.sigmoid(v))((u + t[0]) / 3.0)),
     "gelu_tanh_leaky": ("gelu_tanh(v0);leaky_relu(v1|0.2)", (), lambda u, t: F.leaky_relu(F.gelu(u, approximate="tanh"), 0.2)),

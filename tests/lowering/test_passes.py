@@ -99,6 +99,24 @@ def test_tail_passes_match_eager_by_float64(tail, training, softmax):
     assert_like_eager(fused, args, y)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("tail", ["relu_neg", "hardtanh_clamp", "elu_softplus", "values_dag", "silu_tanh"])
+def test_tail_nan_and_inf_like_eager(tail):
+    """Eval (finite running statistics): a NaN, +inf and -inf linear output go through the tail where
+    eager sends them (relu and clamp keep NaN; each op's inf limits), element by element. Not gelu:
+    eager's CPU gelu(inf) is NaN, where x / 2 * (1 + erf(x / sqrt 2)), the formula of eager's CUDA
+    kernel and of the fused one, is inf."""
+    args = make_args(6, 3, 9, scale="number", tail=tail, training=False)
+    y = F.linear(args.linear.x, args.linear.weight, args.linear.bias)
+    y[1, 2], y[3, 4], y[4, 5] = float("nan"), float("inf"), float("-inf")
+    out, _ = passes.normalize_linear_output(y, args)
+    expected = unfused(args, y).out
+    assert torch.equal(torch.isnan(out), torch.isnan(expected))
+    finite = torch.isfinite(expected)
+    assert torch.equal(out[~finite & ~torch.isnan(expected)], expected[~finite & ~torch.isnan(expected)])
+    torch.testing.assert_close(out[finite], expected[finite], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("merge", [True, False])
 @pytest.mark.parametrize("softmax", [True, False])
 @pytest.mark.parametrize("training, running", [(True, True), (True, False), (False, True)])
