@@ -1,10 +1,11 @@
 """How fusepass finds the chains it fuses: step parsers and a generic matcher.
 
 A chain family (fusepass/families/) is a list of steps around an anchor, each step a parser that
-recognises one FX node and normalizes its arguments once (into LinearArgs, ScaleArgs, BatchNormArgs,
-SoftmaxArgs). The matcher anchors on the family's anchor (the rare op), walks back through the head
-steps and forward through the tail steps; every anchor it cannot fuse, and every tail step it had to
-leave out, becomes a Miss with the reason for `explain()`. What replaces a match is the family's own
+recognises one FX node and normalizes its arguments once (into LinearArgs, BiasArgs, ScaleArgs,
+BatchNormArgs, SoftmaxArgs), or a region step that grows over several nodes (the pointwise tail,
+grow_tail -> TailArgs). The matcher anchors on the family's anchor (the rare op), walks back through
+the head steps and forward through the tail steps; every anchor it cannot fuse, and every tail step
+it had to leave out, becomes a Miss with the reason for `explain()`. What replaces a match is the family's own
 business (its `replace`), kept next to its steps.
 """
 
