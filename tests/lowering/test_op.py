@@ -185,3 +185,27 @@ def test_scale_gradient_at_zero_scale(device, scale, upstream):
     if upstream == "constant":
         assert torch.equal(fused, torch.zeros_like(fused)) if scale == "single" else (fused[::3] == 0).all()
     assert_no_further_from_float64("grad scale", fused, results["eager"], results["exact"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("training", [True, False])
+def test_weight_in_in_out_layout(device, training):
+    """A matmul head hands the op W.t(), a view of an (in, out) weight: outputs and every gradient,
+    the weight's made in its own layout, against eager autograd through x @ W by float64."""
+    upstream = torch.randn(33, 19, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    def run(dtype, fused):
+        args = make_args(33, 21, 19, scale="single", tail="gelu_relu", training=training, dtype=dtype,
+                         device=device, requires_grad=True, save_linear_out=True)
+        w_in_out = args.linear.weight.detach().t().contiguous().requires_grad_()
+        args = dataclasses.replace(args, linear=dataclasses.replace(args.linear, weight=w_in_out.t()))
+        out = op.call(args).out if fused else unfused_forward(args)
+        (out.double() * upstream.to(out.device)).sum().backward()
+        return out, w_in_out.grad, args.linear.x.grad
+
+    (fused, fused_w, fused_x), (eager, eager_w, eager_x), (exact, exact_w, exact_x) = (
+        run(torch.float32, True), run(torch.float32, False), run(torch.float64, False))
+    assert fused_w.shape == (21, 19)
+    assert_no_further_from_float64("output", fused, eager, exact)
+    assert_no_further_from_float64("grad W", fused_w, eager_w, exact_w)
+    assert_no_further_from_float64("grad x", fused_x, eager_x, exact_x)
