@@ -68,18 +68,34 @@ def test_explain_names_the_tail(tail):
     assert match["tail"] != "-"
 
 
+# Where a bf16/fp16 model's tail thresholds (relu, leaky_relu, hardtanh/relu6, clamp, elu), single steps
+# measured gradients up to 3x eager's error to float64 on CPU (gelu_relu in bf16: grad x 3.1e-2 against
+# eager's 9.9e-3 in one of four steps, 3.0e-3 against 4.5e-3 in the others). In that step fusepass and eager
+# each had exactly one element on the other side of relu's threshold from float64 (the bf16 linear output
+# moves u by more than |u| there), different elements: one flipped element's gradient dominates the step's
+# error, so the per-step criterion compares two single samples. Judging these over many steps pooled (as
+# tests/chains.py does for one-element gradients) is not built yet; until then they are left out here
+# rather than loosened: an open gap of issue 15.
+LOW_PRECISION_GAPS = {("gelu_relu", torch.bfloat16), ("leaky_inplace_relu", torch.bfloat16),
+                      ("hardtanh_elu_softplus", torch.bfloat16), ("scale_relu6_clamp_min", torch.bfloat16),
+                      ("scale_relu6_clamp_min", torch.float16), ("hardtanh_elu_softplus", "autocast")}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_tail(dtype, device):
+@pytest.mark.parametrize("tail, dtype", [(tail, dtype) for tail in TAILS for dtype in (torch.bfloat16, torch.float16)
+                                         if (tail, dtype) not in LOW_PRECISION_GAPS])
+def test_low_precision_tail(tail, dtype, device):
     torch.manual_seed(21)
-    run(TailModel("bias_div_swish").to(dtype), device)
+    run(TailModel(tail).to(dtype), device)
     assert_fused(rewrites=2, graphs=2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_autocast_tail(device):
+@pytest.mark.parametrize("softmax", [False, True])
+@pytest.mark.parametrize("tail", [tail for tail in TAILS if (tail, "autocast") not in LOW_PRECISION_GAPS])
+def test_autocast_tail(tail, softmax, device):
     torch.manual_seed(22)
-    run(TailModel("gelu_relu", softmax=True), device, autocast_dtype=torch.bfloat16)
+    run(TailModel(tail, softmax=softmax), device, autocast_dtype=torch.bfloat16)
     assert_fused(rewrites=2, graphs=2)
 
 
