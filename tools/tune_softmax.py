@@ -18,7 +18,7 @@ def main() -> None:
     import triton
 
     from fusepass.lowering import passes
-    from fusepass.lowering.schema import BatchNorm, ChainArgs, Kernel, Linear, Scale
+    from fusepass.lowering.schema import BatchNorm, ChainArgs, Kernel, Linear, Scale, Tail
 
     n, f = args.rows, args.features
     y = torch.randn(n, f, device="cuda")
@@ -26,7 +26,7 @@ def main() -> None:
     bn = BatchNorm(weight=vector(), bias=vector(), running_mean=vector(), running_var=vector().abs() + 0.5,
                    training=False, momentum=0.1, eps=1e-5)
     chain = ChainArgs(linear=Linear(y, y, None), scale_before=Scale(), batch_norm=bn,
-                      scale_after=Scale(torch.ones(1, device="cuda")), softmax=True, out_dtype=torch.float32,
+                      tail=Tail("mul(v0,t0)", torch.ones(1, device="cuda")), softmax=True, out_dtype=torch.float32,
                       save_linear_out=False, kernel=Kernel())
     stats = passes.Statistics.allocate(f, "cuda", bn)
     passes.finalize_statistics(stats, None, n)  # the pass reads mean/invstd, as after a GEMM epilogue
