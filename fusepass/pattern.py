@@ -224,8 +224,12 @@ def parse_bias(node: Node) -> list[tuple[BiasArgs, Optional[Node]]]:
     raise NoMatch(f"`{node.name}` is not a matmul's output plus a bias of shape (out_features,)")
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _scale_like(operand: Any, n_features: int) -> bool:
-    if isinstance(operand, (int, float)) and not isinstance(operand, bool):
+    if _number(operand):
         return True
     value = meta_value(operand)
     return (
@@ -292,10 +296,6 @@ class _TailCall:
     inplace: bool = False
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _tail_call(node: Node) -> _TailCall:
     """What a call of TAIL_TARGETS computes, its arguments normalized; NoMatch where it is not fused."""
     target = node.target if node.op == "call_function" else getattr(torch.Tensor, str(node.target))
@@ -317,7 +317,7 @@ def _tail_call(node: Node) -> _TailCall:
         if args["approximate"] not in ("none", "tanh"):
             raise NoMatch(f"`{node.name}`: gelu approximate={args['approximate']!r}")
         return _TailCall("gelu" if args["approximate"] == "none" else "gelu_tanh", (args["input"],))
-    values = tuple(v for v in params.values())
+    values = tuple(params.values())
     if kind == "clamp":
         low, high = params["min"], params["max"]
         if low is None and high is None:
@@ -351,7 +351,7 @@ def _tail_step(node: Node, call: _TailCall, inside: set, start: Node) -> tuple[O
         a, b, op = b, a, _SWAPPED[call.op]
     else:
         op = call.op
-    if b not in inside and not (_number(b) or _scale_like(b, shape[-1])):
+    if b not in inside and not _scale_like(b, shape[-1]):
         raise NoMatch(f"`{node.name}` combines the tail with {_describe(b)}: only numbers and tensors of shape "
                       "(), (1,) or (F,) are fused")
     return op, a, b
@@ -359,7 +359,6 @@ def _tail_step(node: Node, call: _TailCall, inside: set, start: Node) -> tuple[O
 
 @dataclass
 class _Candidate:
-    node: Node
     op: Optional[str]
     input: Node
     other: Any
@@ -378,7 +377,7 @@ def grow_tail(start: Node) -> tuple[Optional[TailArgs], tuple[Node, ...], list["
                 try:
                     call = _tail_call(node)
                     op, first, other = _tail_step(node, call, inside, start)
-                    candidates[node] = _Candidate(node, op, first, other, call.params)
+                    candidates[node] = _Candidate(op, first, other, call.params)
                     inside.add(node)
                 except NoMatch as exc:
                     rejected[node] = str(exc)
@@ -446,7 +445,8 @@ def _tail_misses(start: Node, region: list[Node], candidates: dict, rejected: di
                 continue
             if user in candidates:
                 reason = (f"`{user.name}` is not fused into the tail: `{node.name}` would keep a user outside it "
-                          f"(or the tail would pass {pointwise.MAX_TAIL_OPS} ops / {pointwise.MAX_TAIL_TENSORS} tensors)")
+                          f"(or the tail would pass {pointwise.MAX_TAIL_OPS} ops / "
+                          f"{pointwise.MAX_TAIL_TENSORS} tensors)")
             elif rejected.get(user) is not None:
                 reason = rejected[user]
             elif user.op == "output" or _is_call(user, SOFTMAX_TARGETS + LINEAR_TARGETS):

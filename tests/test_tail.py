@@ -207,7 +207,6 @@ class MatmulHead(nn.Module):
         self.bn = nn.BatchNorm1d(c)
         randomize_batch_norm(self.bn)
         self.d, self.flatten, self.weight, self.tail = d, flatten, weight, tail
-        self.linear = nn.Linear(d, 1)  # only for run(): in_features; unused in forward
 
     def forward(self, x):
         rows = {"view": lambda: x.view(-1, self.d), "reshape": lambda: x.reshape(-1, self.d),

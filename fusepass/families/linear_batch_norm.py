@@ -1,5 +1,6 @@
 """The family `head -> [* s1] -> batch_norm -> [pointwise tail] -> [softmax over the features]`, the head
-a linear or a matmul by an (in, out) weight with an optional bias added, and its replacement, one call of `torch.ops.fusepass.linear_scale_batch_norm` (fusepass/lowering/).
+a linear or a matmul by an (in, out) weight with an optional bias added, and its replacement, one call of
+`torch.ops.fusepass.linear_scale_batch_norm` (fusepass/lowering/).
 
 Pattern: the steps below, anchored on batch_norm. Replacement: the op, its arguments built by name
 (ChainArgs) from the steps' normalized arguments; in training, copies of the op's new running

@@ -1,8 +1,8 @@
 """The fused op's backward: gradients of every differentiable argument. The batch-norm, tail and softmax
 terms are plain PyTorch, the tail's derivatives eager's own (pointwise.py); Inductor compiles them with
-the rest of the backward graph into its own fused reductions and pointwise kernels. The two GEMMs, dX and dW, are calls of `fusepass::linear`
-(linear.py), so in fp32 they run on the same 3xTF32 tensor-core GEMM as the forward, or on cuBLAS at
-eager's precision where that is faster.
+the rest of the backward graph into its own fused reductions and pointwise kernels. The two GEMMs, dX
+and dW, are calls of `fusepass::linear` (linear.py), so in fp32 they run on the same 3xTF32 tensor-core
+GEMM as the forward, or on cuBLAS at eager's precision where that is faster.
 
 More exact than eager where eager cancels: in training the linear bias's gradient is exactly 0 (batch
 norm removes any shift), and the pre-BN scale's gradient has a closed form instead of a sum that cancels
@@ -10,7 +10,6 @@ to rounding noise.
 """
 
 from __future__ import annotations
-
 
 import torch
 from torch import Tensor

@@ -191,7 +191,8 @@ def _output_tile(
     mean, invstd = _column_statistics(stats, cols, col_mask, row_program, n_rows, n_cols, n_parts, rows_per_part,
                                       momentum, eps, STATS_SOURCE, UPDATE_RUNNING)
     return _normalized_tile(params, tail_tensors, mean, invstd, rows, cols, row_mask, col_mask, stride_yr, stride_yc,
-                            scale_value, SCALE_MODE, HAS_GAMMA, HAS_BETA, TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
+                            scale_value, SCALE_MODE, HAS_GAMMA, HAS_BETA,
+                            TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
 
 
 @triton.jit
@@ -227,7 +228,8 @@ def _normalize_kernel(
     col_mask = cols < n_cols
     u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols, n_parts,
                      rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
-                     SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
+                     SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING,
+                     TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
     tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
              u.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -270,7 +272,8 @@ def _normalize_softmax_kernel(
         col_mask = cols < n_cols
         u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols,
                          n_parts, rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
-                         SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
+                         SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING,
+                     TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
         u = tl.where(col_mask[None, :], u, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(u, axis=1))
         # While a row has seen only -inf, subtract 0 instead of -inf so that no -inf - -inf NaN appears
@@ -286,7 +289,8 @@ def _normalize_softmax_kernel(
         # Row program 1 stores no statistics: the first sweep stored them already.
         u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, 1, n_rows, n_cols,
                          n_parts, rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
-                         SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
+                         SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING,
+                     TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
         u = tl.where(col_mask[None, :], u, float("-inf"))
         p = tl.math.div_rn(exp_accurate(u - shift[:, None], ACCURATE_EXP), row_sum[:, None])
         tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,

@@ -281,10 +281,6 @@ def program_text(instructions) -> str:
     return ";".join(instruction.text() for instruction in instructions)
 
 
-def op_names(program: str) -> tuple[str, ...]:
-    return tuple(instruction.op.name for instruction in parse(program))
-
-
 def tensor_count(program: str) -> int:
     """How many tensor operands the program reads (it numbers them from 0)."""
     return 1 + max((ins.other.tensor for ins in parse(program) if ins.other and ins.other.tensor is not None),

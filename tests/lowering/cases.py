@@ -34,7 +34,8 @@ TAILS = {
     "relu_neg": ("relu(v0);neg(v1)", (), lambda u, t: -F.relu(u)),
     "bias_div_swish": ("add(v0,t0);div(v1,3.0);sigmoid(v2);mul(v2,v3)", ("single",),
                        lambda u, t: (lambda v: v * torch.sigmoid(v))((u + t[0]) / 3.0)),
-    "gelu_tanh_leaky": ("gelu_tanh(v0);leaky_relu(v1|0.2)", (), lambda u, t: F.leaky_relu(F.gelu(u, approximate="tanh"), 0.2)),
+    "gelu_tanh_leaky": ("gelu_tanh(v0);leaky_relu(v1|0.2)", (),
+                        lambda u, t: F.leaky_relu(F.gelu(u, approximate="tanh"), 0.2)),
     "silu_tanh": ("silu(v0);tanh(v1)", (), lambda u, t: torch.tanh(F.silu(u))),
     "hardtanh_clamp": ("hardtanh(v0|-1.5,2.0);clamp(v1|-1.0,1.0);clamp_min(v2|-0.5);clamp_max(v3|0.75)", (),
                        lambda u, t: F.hardtanh(u, -1.5, 2.0).clamp(-1.0, 1.0).clamp_min(-0.5).clamp_max(0.75)),
@@ -51,7 +52,8 @@ EAGER_TAILS = {program: fn for program, _, fn in TAILS.values()}
 
 
 def make_args(n: int, k: int, f: int, *, scale: Optional[str] = "per_feature", scale_after: Optional[str] = None,
-              tail: Optional[str] = None, softmax: bool = False, affine: bool = True, running: bool = True, training: bool = True,
+              tail: Optional[str] = None, softmax: bool = False, affine: bool = True, running: bool = True,
+              training: bool = True,
               momentum: float = 0.1, eps: float = 1e-5, dtype: torch.dtype = torch.float32,
               out_dtype: Optional[torch.dtype] = None, device: str = KERNEL_DEVICE, requires_grad: bool = False,
               save_linear_out: bool = False, kernel: Kernel = Kernel(), seed: int = 0) -> ChainArgs:
