@@ -67,7 +67,12 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
     if need.linear.x:
         grads["linear_x"] = linear.call(grad_y, weight.t(), None, ctx.kernel)
     if need.linear.weight:
-        grads["linear_weight"] = linear.call(grad_y.t(), x.t(), None, ctx.kernel)
+        if weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) != 1:
+            # A matmul head's (in, out) W seen as (out, in): its gradient is made as x^T @ grad_y, in W's own
+            # layout, and handed back as the view, so that no transposing copy of it follows.
+            grads["linear_weight"] = linear.call(x.t(), grad_y.t(), None, ctx.kernel).t()
+        else:
+            grads["linear_weight"] = linear.call(grad_y.t(), x.t(), None, ctx.kernel)
     if need.linear.bias:
         grads["linear_bias"] = _linear_bias_grad(ctx, grad_y)
     if need.scale_before.tensor:
