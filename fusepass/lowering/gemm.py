@@ -125,12 +125,20 @@ def tf32_split(a):
 
 
 @triton.jit
-def _tf32_split_kernel(src_ptr, hi_ptr, lo_ptr, n_elements, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    hi, lo = tf32_split(tl.load(src_ptr + offsets, mask=mask, other=0.0))
-    tl.store(hi_ptr + offsets, hi, mask=mask)
-    tl.store(lo_ptr + offsets, lo, mask=mask)
+def _tf32_split_kernel(
+    src_ptr, hi_ptr, lo_ptr,  # pointers: src any layout; hi and lo row-major
+    rows, cols,  # sizes
+    stride_src_row, stride_src_col,  # strides
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,  # meta-parameters
+):
+    """Splits a 2-D tensor of any strides into row-major hi + lo in one pass: a transposed operand is
+    made K-major here, in the same read and write as the split, not by a copy before it."""
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
+    c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[None, :]
+    mask = (r < rows) & (c < cols)
+    hi, lo = tf32_split(tl.load(src_ptr + r * stride_src_row + c * stride_src_col, mask=mask, other=0.0))
+    tl.store(hi_ptr + r * cols + c, hi, mask=mask)
+    tl.store(lo_ptr + r * cols + c, lo, mask=mask)
 
 
 @triton.jit
@@ -294,11 +302,15 @@ def _gemm_kernel(
 
 
 def split_tf32(t: Tensor) -> tuple[Tensor, Tensor]:
-    """(hi, lo) with t == hi + lo exactly and hi representable in tf32; contiguous copies."""
-    t = t.contiguous()
-    hi, lo = torch.empty_like(t), torch.empty_like(t)
-    block = 1024
-    launch(_tf32_split_kernel)[(triton.cdiv(t.numel(), block),)](t, hi, lo, t.numel(), BLOCK=block)
+    """(hi, lo) with t == hi + lo exactly and hi representable in tf32: contiguous, from a 2-D t of any
+    strides."""
+    rows, cols = t.shape
+    hi = torch.empty((rows, cols), device=t.device, dtype=t.dtype)
+    lo = torch.empty((rows, cols), device=t.device, dtype=t.dtype)
+    block = 64
+    grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
+    launch(_tf32_split_kernel)[grid](t, hi, lo, rows, cols, t.stride(0), t.stride(1),
+                                     BLOCK_ROWS=block, BLOCK_COLS=block)
     return hi, lo
 
 
@@ -335,15 +347,15 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
     m, k = x.shape
     n = weight.shape[0]
     device = x.device
-    if x.dtype == torch.float32 and weight.stride(1) != 1:
-        # An (in, out) weight seen as (out, in) (a matmul head's W.t()): TF32 tensor cores read their
-        # second operand K-major only, so give them a K-major copy (the tuner times this copy with it).
-        weight = weight.contiguous()
     lo = None  # the low tf32 half of the operand split in memory
     if precision == "split_w":
         weight, lo = split_tf32(weight)
     elif precision == "split_x":
         x, lo = split_tf32(x)
+    if x.dtype == torch.float32 and weight.stride(1) != 1:
+        # An (in, out) weight seen as (out, in) (a matmul head's W.t(), a backward's x.t()): TF32 tensor
+        # cores read their second operand K-major only, so give them a K-major copy (the tuner times it).
+        weight = weight.contiguous()
     y = torch.empty((m, n) if store_y else (0, 0), device=device, dtype=x.dtype)
     normalizes = epilogue == EPILOGUE_NORMALIZE.value
     out = torch.empty((m, n), device=device, dtype=eval_norm.out_dtype) if normalizes else None

@@ -16,9 +16,12 @@ SMALL = gemm.GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=2)
 FP32_ACCURATE = ["tf32x3", "split_w", "split_x"]
 
 
-def test_tf32_split_is_exact_and_hi_fits_tf32():
-    t = torch.randn(4099, generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE) * 1e3
+@pytest.mark.parametrize("transposed", [False, True])
+def test_tf32_split_is_exact_and_hi_fits_tf32(transposed):
+    t = torch.randn(67, 93, generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE) * 1e3
+    t = t.t() if transposed else t  # a transposed operand comes out row-major from the same pass
     hi, lo = gemm.split_tf32(t)
+    assert hi.is_contiguous() and lo.is_contiguous()
     assert torch.equal(hi + lo, t)
     assert (hi.view(torch.int32) & 0x1FFF).eq(0).all()  # 13 low mantissa bits clear: 10 remain
     assert (lo.abs() <= hi.abs() * 2.0**-11).all()  # rounded to nearest: |lo| is at most half a tf32 ulp
@@ -27,9 +30,14 @@ def test_tf32_split_is_exact_and_hi_fits_tf32():
 @pytest.mark.parametrize("m, k, n", [(37, 40, 19), (64, 48, 64), (5, 7, 3)])
 @pytest.mark.parametrize("precision", FP32_ACCURATE)
 @pytest.mark.parametrize("tma", [False, True])
-def test_fp32_accurate_gemm_no_further_from_float64_than_cublas(m, k, n, precision, tma):
+@pytest.mark.parametrize("layout", ["row-major", "transposed"])
+def test_fp32_accurate_gemm_no_further_from_float64_than_cublas(m, k, n, precision, tma, layout):
     g = torch.Generator().manual_seed(m + k + n)
     x, w, b = (torch.randn(shape, generator=g).to(KERNEL_DEVICE) for shape in ((m, k), (n, k), (n,)))
+    if layout == "transposed":  # as a backward's dW GEMM and a matmul head pass them: neither K-major
+        if tma:
+            pytest.skip("TMA descriptors need contiguous rows; the tuner offers TMA configs only where they fit")
+        x, w = x.t().contiguous().t(), w.t().contiguous().t()
     if tma and not gemm.tma_usable(x, w):
         assert k * 4 % 16 != 0 or x.is_cuda  # rows of 7 floats are not 16-byte aligned: no descriptors
         with pytest.raises(ValueError, match="TMA"):
