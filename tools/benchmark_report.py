@@ -199,7 +199,10 @@ def annotate(json_path: Path, spec: Spec, wall_s: float) -> None:
 
 
 def current_commit() -> Optional[str]:
-    """HEAD's short hash, "+changes" when fusepass/ differs from it; None outside a git checkout."""
+    """HEAD's short hash, "+changes" when fusepass/ differs from it; None outside a git checkout.
+    FUSEPASS_SOURCE_COMMIT overrides it, for copies of a work tree whose .git is not its own."""
+    if os.environ.get("FUSEPASS_SOURCE_COMMIT"):
+        return os.environ["FUSEPASS_SOURCE_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()
