@@ -28,7 +28,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx
 from torch.fx import GraphModule
 
-from fusepass import race
+from fusepass import ddp, race
 from fusepass.explain import Report, write_debug_dump
 from fusepass.options import Options
 from fusepass.rewrite import UNFUSED_REASON, copy_graph_module, rewrite
@@ -43,10 +43,14 @@ class FusepassFallbackWarning(UserWarning):
     """A graph could not use fused ops and runs with the fallback compiler instead."""
 
 
+ddp.install()
+
+
 def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] = None,
                      options: Optional[dict[str, Any]] = None) -> Callable:
     opts = Options.parse(mode, options)
     stats["graphs"] += 1
+    ddp.inline_chains(gm)  # a DDP piece's chains, held whole across the bucket cuts (ddp.py)
     original = copy_graph_module(gm)
     try:
         matches, misses = rewrite(gm, opts.kernel, opts.families, _decider(gm, example_inputs, opts))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -216,6 +216,8 @@ class Trio:
     zero_grads: tuple = ()
     float64_grads: tuple = ()
     dynamic_batch: bool = False
+    # Around the fused model's backward (e.g. compiled autograd's context); the others' run eagerly.
+    fused_backward: Callable[[], Any] = nullcontext
     # (what, "train" or "eval") -> [(fused, eager, float64 value)] per step
     scalar_values: dict = field(default_factory=dict)
     _phase: str = field(default="train", init=False)  # of the current step
@@ -276,7 +278,8 @@ class Trio:
             if projection is None:  # a random upstream gradient, the same for all three
                 projection = torch.randn(out.shape, device=x.device, dtype=torch.float64)
             if out.requires_grad:
-                (out.double() * projection).sum().backward()
+                with (self.fused_backward if name == "fused" else nullcontext)():
+                    (out.double() * projection).sum().backward()
             outs[name] = out
         self.compare("output", outs["fused"], outs["eager"], outs["ref"])
         assert len({id(t) for t in inputs.values()}) == 3
