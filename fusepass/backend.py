@@ -28,7 +28,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx
 from torch.fx import GraphModule
 
-from fusepass import ddp, race
+from fusepass import ddp, race, sync_batch_norm
 from fusepass.explain import Report, write_debug_dump
 from fusepass.options import Options
 from fusepass.rewrite import UNFUSED_REASON, copy_graph_module, rewrite
@@ -44,6 +44,7 @@ class FusepassFallbackWarning(UserWarning):
 
 
 ddp.install()
+sync_batch_norm.install()
 
 
 def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] = None,

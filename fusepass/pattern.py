@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.fx import Graph, Node
 
 from fusepass.lowering import pointwise
+from fusepass.sync_batch_norm import sync_batch_norm
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -29,7 +30,7 @@ LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
 MATMUL_TARGETS = (operator.matmul, torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm)
 ADD_TARGETS = (operator.add, torch.add, torch.Tensor.add)
 MUL_TARGETS = (operator.mul, torch.mul, torch.Tensor.mul)
-BATCH_NORM_TARGETS = (F.batch_norm,)
+BATCH_NORM_TARGETS = (F.batch_norm, sync_batch_norm)  # the second: a SyncBatchNorm (sync_batch_norm.py)
 SOFTMAX_TARGETS = (F.softmax, torch.softmax, torch.Tensor.softmax)
 
 # The pointwise tail's calls: target -> (op, parameter names, defaults). The op is a pointwise.OPS name,
@@ -113,6 +114,11 @@ class BatchNormArgs:
     training: bool
     momentum: float
     eps: float
+    group_name: str = ""  # a SyncBatchNorm's process group
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return ("sync_batch_norm",) if self.group_name else ("batch_norm",)
 
 
 @dataclass(frozen=True)
@@ -256,9 +262,9 @@ def parse_scale(node: Node) -> list[tuple[ScaleArgs, Optional[Node]]]:
 
 
 def parse_batch_norm(node: Node) -> list[tuple[BatchNormArgs, Optional[Node]]]:
-    names = tuple(inspect.signature(F.batch_norm).parameters)
-    defaults = {k: p.default for k, p in inspect.signature(F.batch_norm).parameters.items()
-                if p.default is not inspect.Parameter.empty}
+    signature = inspect.signature(node.target)  # F.batch_norm's, or sync_batch_norm's: the same + group_name
+    names = tuple(signature.parameters)
+    defaults = {k: p.default for k, p in signature.parameters.items() if p.default is not inspect.Parameter.empty}
     args = _bind(node, names, defaults)
     _check_tensor(args["input"], "batch_norm input", ndim=2)
     if not isinstance(args["training"], bool):
@@ -272,7 +278,7 @@ def parse_batch_norm(node: Node) -> list[tuple[BatchNormArgs, Optional[Node]]]:
     if not args["training"] and running[0] is None:
         raise NoMatch(f"`{node.name}`: eval-mode batch_norm without running statistics")
     bn = BatchNormArgs(args["running_mean"], args["running_var"], args["weight"], args["bias"],
-                       args["training"], float(args["momentum"]), float(args["eps"]))
+                       args["training"], float(args["momentum"]), float(args["eps"]), args.get("group_name", ""))
     return [(bn, args["input"])]
 
 
@@ -509,7 +515,7 @@ class Match:
         names = []
         for step in self.steps:
             args = self.args.get(step.key)
-            names += list(args.names) if isinstance(args, (TailArgs, LinearArgs)) else [step.name]
+            names += list(args.names) if isinstance(args, (TailArgs, LinearArgs, BatchNormArgs)) else [step.name]
         return "_".join(names)
 
     @property

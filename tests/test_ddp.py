@@ -23,3 +23,11 @@ def test_ddp_fuses_every_chain(optimize_ddp, tmp_path):
 
 def test_without_fusepass_the_bucket_cut_falls_inside_a_chain(tmp_path):
     spawn(workers.ddp_cut_without_grouping, tmp_path)
+
+
+def test_sync_batch_norm_chains_fuse_and_match_batch_norm_over_the_global_batch(tmp_path):
+    spawn(workers.sync_batch_norm_chains, tmp_path)
+
+
+def test_lone_sync_batch_norm_runs_its_own_op_and_keeps_eagers_errors(tmp_path):
+    spawn(workers.lone_sync_batch_norm, tmp_path)

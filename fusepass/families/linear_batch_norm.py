@@ -88,7 +88,7 @@ def _op_args(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Ker
         scale_before=scale(match.get("scale_before")),
         batch_norm=BatchNorm(weight=node(bn.weight), bias=node(bn.bias), running_mean=node(bn.running_mean),
                              running_var=node(bn.running_var), training=bn.training, momentum=bn.momentum,
-                             eps=bn.eps),
+                             eps=bn.eps, group_name=bn.group_name),
         tail=tail(match.get("tail")),
         softmax=match.get("softmax") is not None,
         out_dtype=result.dtype,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fusepass.lowering import linear, pointwise
+from fusepass.lowering import linear, pointwise, sync
 from fusepass.lowering.reference import affine
 from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Linear, Scale, gradients_in_op_order, unflatten
 
@@ -28,6 +28,7 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:
     ctx.save_for_backward(lin.x, lin.weight, args.scale_before.tensor, bn.weight, bn.bias, *args.tail.tensors,
                           outputs.linear_out, outputs.mean, outputs.invstd, outputs.out if args.softmax else None)
     ctx.training, ctx.eps, ctx.save_linear_out, ctx.softmax = bn.training, bn.eps, args.save_linear_out, args.softmax
+    ctx.group_name = bn.group_name if bn.synced else ""
     ctx.scale_before_value, ctx.tail_program = args.scale_before.value, args.tail.program
     ctx.bias_dtype = lin.bias.dtype if lin.bias is not None else None
     ctx.kernel = args.kernel
@@ -58,7 +59,10 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
 
     g_hat = g * bn_weight.float() if bn_weight is not None else g
     sum_g_xhat = (g_hat * x_hat).sum(0)
-    if ctx.training:  # batch statistics depend on z: project out the mean and the x_hat component
+    if ctx.group_name:  # SyncBatchNorm: the statistics are every rank's, so are the sums projected out
+        sum_g, sum_g_xhat, count = sync.all_reduce_sums(g_hat.sum(0), sum_g_xhat, g.shape[0], ctx.group_name)
+        grad_z = (g_hat - sum_g / count - x_hat * (sum_g_xhat / count)) * invstd
+    elif ctx.training:  # batch statistics depend on z: project out the mean and the x_hat component
         grad_z = (g_hat - g_hat.mean(0) - x_hat * (sum_g_xhat / g.shape[0])) * invstd
     else:
         grad_z = g_hat * invstd
@@ -85,7 +89,9 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
 
 
 def _linear_bias_grad(ctx, grad_y: Tensor) -> Tensor:
-    if ctx.training:
+    # Synced, one rank's bias shifts the global mean by its share of the rows only: its gradient is the
+    # rank's column sum (the ranks' sum is 0, which DDP's average gets)
+    if ctx.training and not ctx.group_name:
         # Batch normalization subtracts the batch mean, so a bias shift has no effect at all: the
         # gradient is exactly zero (eager's column sum of grad_y returns only rounding noise).
         return grad_y.new_zeros(grad_y.shape[1], dtype=ctx.bias_dtype)
@@ -94,7 +100,9 @@ def _linear_bias_grad(ctx, grad_y: Tensor) -> Tensor:
 
 def _scale_grad(ctx, scale: Scale, grad_z: Tensor, y: Tensor, g_hat: Tensor, sum_g_xhat: Tensor,
                 invstd: Tensor) -> Tensor:
-    if not ctx.training:
+    # Synced, the closed form below would need every rank's y: this rank's part of the gradient is the
+    # direct sum, as eager's
+    if not ctx.training or ctx.group_name:
         return pointwise.reduce_to((grad_z * y).sum(0), scale.tensor)
     s = scale.factor()
     # Scaling a feature changes its normalized value only through eps, so the direct sum(grad_z * y)

@@ -19,10 +19,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.lowering import pointwise
+from fusepass.lowering import pointwise, sync
 from fusepass.lowering.launch import launch, present_or_placeholder, unused_pointer
 from fusepass.lowering.pointwise import apply_tail
-from fusepass.lowering.reference import new_running_stat_shape, running_stats_dtype
+from fusepass.lowering.reference import new_running_stat_shape, running_stats_dtype, updated_running_stats
 from fusepass.lowering.schema import BatchNorm, ChainArgs, Scale, Tail
 from fusepass.lowering.tiles import (INTERPRETED, batch_norm_tile, chan_merge, exp_accurate, inverse_std,
                                      load_scale, tile_column_stats)
@@ -462,11 +462,31 @@ def normalize_training(y: Tensor, parts: Partials, stats: Statistics, args: Chai
     """Training: out from y and the strips' statistics, filling stats. Merges the statistics in the
     output pass when that is cheap (one launch), else in a finalize kernel first (two)."""
     n_rows, n_cols = y.shape
-    if merges_in_output_pass(n_rows, n_cols, parts.mean.shape[0], y.element_size(), args.softmax):
+    if args.batch_norm.synced:
+        synced_statistics(stats, parts, n_rows)
+    elif merges_in_output_pass(n_rows, n_cols, parts.mean.shape[0], y.element_size(), args.softmax):
         stats.parts, stats.source = parts, STATS_MERGE.value
     else:
         finalize_statistics(stats, parts, n_rows)
     return output_pass(y, args, stats, out)
+
+
+def synced_statistics(stats: Statistics, parts: Partials, n_rows: int) -> None:
+    """SyncBatchNorm: fills stats from every rank's batch. The strips' statistics are merged into the
+    rank's (count, mean, M2), one all-gather merges the ranks' (sync.py); (F,)-sized torch ops, which
+    Inductor fuses where the op's body is traced."""
+    bn = stats.batch_norm
+    count, mean, m2 = sync.merge_across_ranks(*sync.merge_strips(parts.mean, parts.m2, parts.rows_per_part, n_rows),
+                                              bn.group_name)
+    sync.check_global_count(count, mean.shape[0])
+    var = m2 / count
+    stats.mean.copy_(mean)
+    stats.invstd.copy_(1.0 / torch.sqrt(var + bn.eps))
+    if bn.updates_running_stats:
+        new_mean, new_var = updated_running_stats(bn, count, mean, var)
+        stats.new_mean.copy_(new_mean)
+        stats.new_var.copy_(new_var)
+    stats.source = STATS_READ.value
 
 
 def normalize_eval(y: Tensor, stats: Statistics, args: ChainArgs, out: Tensor) -> Tensor:

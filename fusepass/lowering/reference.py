@@ -7,7 +7,8 @@
     out = softmax(t, dim=-1)  or  t                    # max-subtracted, fp32
 
 In training the running statistics get the momentum update with the unbiased variance. Everything after
-the linear runs in fp32.
+the linear runs in fp32. A synced batch norm (SyncBatchNorm) takes mean and variance over every rank's
+batch (sync.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusepass.lowering import pointwise
+from fusepass.lowering import pointwise, sync
 from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs
 
 
@@ -27,7 +28,12 @@ def reference(args: ChainArgs) -> ChainOutputs:
     lin, bn = args.linear, args.batch_norm
     y = F.linear(lin.x, lin.weight, lin.bias)
     z = y.float() * args.scale_before.factor()
-    if bn.training:
+    n = z.shape[0]
+    if bn.synced:
+        count, mean, m2 = sync.merge_across_ranks(*sync.moments(z), bn.group_name)
+        sync.check_global_count(count, z.shape[1])
+        var, n = m2 / count, count
+    elif bn.training:
         var, mean = torch.var_mean(z, dim=0, correction=0)
     else:
         # Copies: an op's outputs must not alias its inputs.
@@ -36,7 +42,7 @@ def reference(args: ChainArgs) -> ChainOutputs:
     out = pointwise.run(args.tail.program, affine((z - mean) * invstd, bn), args.tail.tensors)[-1]
     if args.softmax:
         out = torch.softmax(out, dim=-1)
-    new_mean, new_var = updated_running_stats(bn, z.shape[0], mean, var)
+    new_mean, new_var = updated_running_stats(bn, n, mean, var)
     linear_out = y if args.save_linear_out else y.new_empty(0)
     return ChainOutputs(out.to(args.out_dtype), new_mean, new_var, linear_out, mean, invstd)
 
@@ -58,7 +64,9 @@ def new_running_stat_shape(bn: BatchNorm, running: Optional[Tensor]) -> tuple[in
     return tuple(running.shape) if bn.training and running is not None else (0,)
 
 
-def updated_running_stats(bn: BatchNorm, n: int, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
+def updated_running_stats(bn: BatchNorm, n, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
+    """The momentum update with the variance unbiased by n, the batch's rows (over all ranks when synced:
+    then a tensor)."""
     if not bn.updates_running_stats:
         dtype = running_stats_dtype(bn)
         return mean.new_empty(0, dtype=dtype), mean.new_empty(0, dtype=dtype)

@@ -76,10 +76,17 @@ class BatchNorm:
     training: bool
     momentum: float
     eps: float
+    # SyncBatchNorm: the process group (its name) whose ranks' batch statistics are merged in training;
+    # "" for a batch norm of the rank's own batch
+    group_name: str = ""
 
     @property
     def updates_running_stats(self) -> bool:
         return self.training and self.running_mean is not None
+
+    @property
+    def synced(self) -> bool:
+        return self.training and bool(self.group_name)
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,7 @@ class ChainArgs:
     def validate(self) -> None:
         """The checks eager makes (with eager's messages) and the kernel options'."""
         self.kernel.validate()
-        if self.batch_norm.training and self.linear.x.shape[0] == 1:
+        if self.batch_norm.training and not self.batch_norm.synced and self.linear.x.shape[0] == 1:
             raise ValueError("Expected more than 1 value per channel when training, got input size "
                              f"{torch.Size((1, self.linear.weight.shape[0]))}")
         if not self.batch_norm.training and self.batch_norm.running_mean is None:

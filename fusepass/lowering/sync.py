@@ -1,0 +1,69 @@
+"""SyncBatchNorm's statistics across ranks: one collective in the forward, one in the backward.
+
+Forward: each rank's per-feature (count, mean, M2) are all-gathered over the module's process group in
+one collective and merged count-weighted with Chan's formula (never E[z^2] - E[z]^2), as
+`batch_norm_gather_stats_with_counts` merges them in eager. Backward: one SUM all-reduce carries the
+per-feature sums of g_hat and g_hat * x_hat with the rank's row count, as SyncBatchNorm's backward does.
+
+The collectives are torch's functional collectives: traced into the compiled graph where the fused
+op's body is traced, run eagerly where it is not. Ranks may hold different batch sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+
+def moments(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(count, mean, M2) per feature of an (N, F) tensor, in fp32: count a (1,) tensor."""
+    z = z.float()
+    mean = z.mean(0)
+    return z.new_full((1,), z.shape[0]), mean, ((z - mean) ** 2).sum(0)
+
+
+def merge_strips(part_mean: Tensor, part_m2: Tensor, rows_per_part: int, n_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(count, mean, M2) of the whole batch from its row strips' (mean, M2) (Partials, passes.py)."""
+    n_parts = part_mean.shape[0]
+    counts = torch.full((n_parts, 1), float(rows_per_part), device=part_mean.device)
+    counts[-1] = float(n_rows - (n_parts - 1) * rows_per_part)
+    return _chan(counts, part_mean, part_m2)
+
+
+def merge_across_ranks(count: Tensor, mean: Tensor, m2: Tensor, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Every rank's (count, mean, M2) merged: one all-gather of a (2F + 1,) vector per rank."""
+    n_features = mean.shape[0]
+    local = torch.cat([count.float(), mean.float(), m2.float()])
+    gathered = funcol.wait_tensor(funcol.all_gather_tensor(local, 0, group_name)).view(-1, 2 * n_features + 1)
+    counts, means, m2s = gathered[:, :1], gathered[:, 1:n_features + 1], gathered[:, n_features + 1:]
+    return _chan(counts, means, m2s)
+
+
+def _chan(counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Chan et al.'s parallel merge of k groups at once: M2 = sum M2_i + sum n_i (mean_i - mean)^2."""
+    count = counts.sum(0)
+    mean = (counts * means).sum(0) / count
+    m2 = m2s.sum(0) + (counts * (means - mean) ** 2).sum(0)
+    return count, mean, m2
+
+
+def check_global_count(count: Tensor, n_features: int) -> None:
+    """Eager SyncBatchNorm's error for a batch of one value per channel over all ranks (a host sync: only
+    where eager would also need the count, i.e. outside traced graphs)."""
+    if not torch.compiler.is_compiling() and not _is_fake(count) and int(count.item()) == 1:
+        raise ValueError("Expected more than 1 value per channel when training, got input size "
+                         f"{torch.Size((1, n_features))}")
+
+
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t)
+
+
+def all_reduce_sums(sum_g: Tensor, sum_g_xhat: Tensor, n_rows: int, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward's one collective: (sum g_hat, sum g_hat * x_hat, row count) summed over the ranks."""
+    n_features = sum_g.shape[0]
+    local = torch.cat([sum_g.float(), sum_g_xhat.float(), sum_g.new_full((1,), float(n_rows), dtype=torch.float32)])
+    total = funcol.wait_tensor(funcol.all_reduce(local, "sum", group_name))
+    return total[:n_features], total[n_features:2 * n_features], total[2 * n_features:]
