@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 from torch.fx import Graph, GraphModule, Node
 
+from fusepass.compile_context import fusepass_kwargs
 from fusepass.pattern import Match, find_chains
 
 
@@ -113,16 +114,6 @@ def _group_or_leave(gm: GraphModule, kwargs: dict) -> None:
     group_chains(gm, matches)
 
 
-def _fusepass_options(backend: Callable) -> Optional[dict]:
-    """The mode and options of a compile whose backend is fusepass's (Dynamo wraps it, once or twice, in
-    objects that forward `compiler_fn` and `kwargs`); None for another backend."""
-    from fusepass.backend import fusepass_backend
-    inner = getattr(backend, "compiler_fn", backend)
-    if inner is not fusepass_backend:
-        return None
-    return dict(getattr(backend, "kwargs", None) or {})
-
-
 def install() -> None:
     """Wraps DDPOptimizer.compile_fn once per process (fusepass.backend calls this on import)."""
     from torch._dynamo.backends.distributed import DDPOptimizer
@@ -132,7 +123,7 @@ def install() -> None:
 
     @functools.wraps(split_and_compile)
     def compile_fn(self, gm: GraphModule, example_inputs: list, **compiler_configs: Any) -> Callable:
-        kwargs = _fusepass_options(self.backend_compile_fn)
+        kwargs = fusepass_kwargs(self.backend_compile_fn)
         if kwargs is not None:
             _group_or_leave(gm, kwargs)
         return split_and_compile(self, gm, example_inputs, **compiler_configs)

@@ -8,8 +8,8 @@ group's name. The batch-norm step of the chain family matches it like F.batch_no
 chain runs `torch.ops.fusepass.sync_batch_norm` (one all-gather forward, one all-reduce backward,
 lowering/sync.py). Run eagerly, the module is untouched: forward calls eager's own code.
 
-Installed on import of fusepass.backend, so it applies to every torch.compile in the process.
-Differences from eager, both deliberate: the op runs on any device torch.distributed runs on (eager
+Installed on import of fusepass.backend; it acts only in compiles whose backend is fusepass (other
+backends trace eager's code, with its graph break, as without fusepass). Differences from eager, both deliberate: the op runs on any device torch.distributed runs on (eager
 SyncBatchNorm raises ValueError for CPU input), and momentum=None (a cumulative average read from the
 host) keeps eager's code, with its graph break.
 """
@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from fusepass.compile_context import compiling_with_fusepass
 from fusepass.lowering import sync
 from fusepass.lowering.reference import updated_running_stats
 from fusepass.lowering.schema import BatchNorm
@@ -47,7 +48,7 @@ def sync_batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: 
 
 
 def _forward(self: nn.SyncBatchNorm, input: Tensor) -> Tensor:
-    if not torch.compiler.is_compiling() or (self.training and self.momentum is None):
+    if not torch.compiler.is_compiling() or not compiling_with_fusepass() or (self.training and self.momentum is None):
         return _EAGER_FORWARD(self, input)
     self._check_input_dim(input)
     self._check_non_zero_input_channels(input)

@@ -1,5 +1,6 @@
 """The demos run on a CPU-only machine (they shrink the problems themselves) and show what they promise."""
 
+import json
 import os
 import subprocess
 import sys
@@ -61,3 +62,19 @@ def test_explain_and_dump():
     for part in ("before.py", "after.py", "report.txt"):
         assert f"_{part} =====" in out
     assert "torch.ops.fusepass.linear_scale_batch_norm.default" in out
+
+
+def test_ddp_train_demo_runs_under_torchrun_on_cpu(tmp_path):
+    """demos/ddp_train.py with two gloo ranks, shrunk: fused counts per rank and a JSON of step times."""
+    out = tmp_path / "ddp.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             str(DEMOS / "ddp_train.py"), "--problems", str(DEMOS / "problems" / "mlp_batchnorm.py"),
+                             "--steps", "2", "--warmup", "1", "--shrink", "32", "--json", str(out)],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: mlp_batchnorm batch_norm fp32: fusepass {{'graphs': 1, 'rewrites': 2, 'linears': 1}}" \
+            in result.stdout, result.stdout
+    [case] = json.loads(out.read_text())["results"]
+    assert set(case["ms"]) == {"eager", "inductor", "fusepass"} and case["fused"]["rewrites"] == 2

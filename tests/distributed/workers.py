@@ -38,21 +38,28 @@ class TwoChainsAndALinear(nn.Module):
         return self.l3(x)
 
 
-def _init(rank: int, world_size: int, init_file: str) -> None:
+def _init(rank: int, world_size: int, init_file: str, device: str = "cpu") -> torch.device:
+    """Joins the group: gloo on CPU, NCCL on one GPU per rank. Returns the rank's device."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                device_id=torch.device("cuda", rank))
+        return torch.device("cuda", rank)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    return torch.device("cpu")
 
 
-def ddp_chains(rank: int, world_size: int, init_file: str, optimize_ddp: str) -> None:
+def ddp_chains(rank: int, world_size: int, init_file: str, optimize_ddp: str, device: str = "cpu") -> None:
     """DDP of TwoChainsAndALinear, eager / fusepass / float64, three training steps on each rank's own
     batch (33 rows, odd): outputs, gradients (averaged by DDP) and buffers by the float64 criterion, and
     fusepass's counts."""
-    _init(rank, world_size, init_file)
+    dev = _init(rank, world_size, init_file, device)
     try:
         torch._dynamo.config.optimize_ddp = optimize_ddp
         torch.manual_seed(0)  # the same model on every rank (DDP also broadcasts rank 0's)
-        model = TwoChainsAndALinear()
+        model = TwoChainsAndALinear().to(dev)
         wrap = lambda m: DDP(m, bucket_cap_mb=1)  # noqa: E731
         fused = wrap(copy.deepcopy(model))
         compiled_autograd = optimize_ddp == "python_reducer"  # its backward graph holds DDP's all-reduces
@@ -66,7 +73,7 @@ def ddp_chains(rank: int, world_size: int, init_file: str, optimize_ddp: str) ->
         counters["fusepass"].clear()
         torch.manual_seed(100 + rank)  # each rank its own batches
         for _ in range(3):
-            trio.step(make_input(33, IN))
+            trio.step(make_input(33, IN, str(dev)))
         trio.finish()
         # DDPOptimizer cuts the graph in two (between the chains, not in one). Under python_reducer, one
         # forward graph and compiled autograd's backward graph (fusepass's backward ops and DDP's
@@ -120,18 +127,26 @@ class SyncChains(nn.Module):
 ROWS_PER_RANK = (20, 13)  # uneven: ranks may hold different batch sizes
 
 
-def sync_batch_norm_chains(rank: int, world_size: int, init_file: str) -> None:
+def sync_batch_norm_chains(rank: int, world_size: int, init_file: str, device: str = "cpu") -> None:
     """SyncBatchNorm chains compiled with fusepass, against one process's BatchNorm1d model on the global
     batch (what SyncBatchNorm computes): each rank's rows of the output, the running statistics and the
-    gradients (summed over the ranks here: DDP refuses SyncBatchNorm on CPU, and its average is this sum
-    over the world size), by the float64 criterion with the single-process fp32 model as eager. Three
-    training steps, then an eval step (plain batch norm with the running statistics)."""
-    _init(rank, world_size, init_file)
+    gradients, by the float64 criterion. On GPUs both run under DDP, eager is native SyncBatchNorm and the
+    gradients are DDP's average (the global batch's over the world size). On CPU, where DDP and eager
+    SyncBatchNorm refuse it, fusepass runs without DDP (its gradients summed over the ranks here) and
+    eager is the single-process fp32 model. Three training steps, then an eval step (plain batch norm
+    with the running statistics)."""
+    dev = _init(rank, world_size, init_file, device)
     try:
         torch.manual_seed(0)
-        model = SyncChains()
-        eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()  # single process, global batch
+        model = SyncChains().to(dev)
+        ref = copy.deepcopy(model).double()  # single process, global batch
         fused = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
+        on_gpus = dev.type == "cuda"
+        if on_gpus:
+            fused = DDP(fused)
+            eager = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)))
+        else:
+            eager = copy.deepcopy(model)
         compiled = torch.compile(fused, backend="fusepass")
         counters["fusepass"].clear()
         first = sum(ROWS_PER_RANK[:rank])
@@ -141,28 +156,37 @@ def sync_batch_norm_chains(rank: int, world_size: int, init_file: str) -> None:
             for m in (eager, ref, fused):
                 m.train(training)
             torch.manual_seed(1000 + step)  # the same global batch and upstream gradient on every rank
-            x = make_input(sum(ROWS_PER_RANK), IN)
-            projection = torch.randn(x.shape[0], 7, dtype=torch.float64)
+            x = make_input(sum(ROWS_PER_RANK), IN, str(dev))
+            projection = torch.randn(x.shape[0], 7, dtype=torch.float64, device=dev)
+            eager_rows = rows if on_gpus else slice(None)
             outs = {}
-            for name, fn, dtype, x_in in (("eager", eager, torch.float32, x), ("ref", ref, torch.float64, x),
-                                          ("fused", compiled, torch.float32, x[rows])):
-                out = fn(x_in.to(dtype))
+            for name, fn, dtype, part in (("eager", eager, torch.float32, eager_rows),
+                                          ("ref", ref, torch.float64, slice(None)),
+                                          ("fused", compiled, torch.float32, rows)):
+                out = fn(x[part].to(dtype))
                 if training:
-                    (out.double() * projection[rows if name == "fused" else slice(None)]).sum().backward()
+                    (out.double() * projection[part]).sum().backward()
                 outs[name] = out
-            assert_no_further_from_float64("output", outs["fused"], outs["eager"][rows], outs["ref"][rows])
+            eager_out = outs["eager"] if on_gpus else outs["eager"][rows]
+            assert_no_further_from_float64("output", outs["fused"], eager_out, outs["ref"][rows])
             if training:
-                _compare_synced_state(fused, eager, ref)
+                unwrap = (lambda m: m.module) if on_gpus else (lambda m: m)  # noqa: E731
+                _compare_synced_state(unwrap(fused), unwrap(eager), ref, summed=not on_gpus, world_size=world_size)
         assert_fused(rewrites=4, graphs=2, linears=2)  # two chains in a training graph and in an eval graph
     finally:
         dist.destroy_process_group()
 
 
-def _compare_synced_state(fused: nn.Module, eager: nn.Module, ref: nn.Module) -> None:
+def _compare_synced_state(fused: nn.Module, eager: nn.Module, ref: nn.Module, summed: bool, world_size: int) -> None:
+    """Gradients against the global batch's: summed over the ranks here, or DDP's averages scaled back."""
     for (name, p_fused), (_, p_eager), (_, p_ref) in zip(fused.named_parameters(), eager.named_parameters(),
                                                          ref.named_parameters()):
-        dist.all_reduce(p_fused.grad)
-        assert_no_further_from_float64(f"grad {name}", p_fused.grad, p_eager.grad, p_ref.grad)
+        if summed:
+            dist.all_reduce(p_fused.grad)
+            fused_grad, eager_grad = p_fused.grad, p_eager.grad
+        else:
+            fused_grad, eager_grad = p_fused.grad * world_size, p_eager.grad * world_size
+        assert_no_further_from_float64(f"grad {name}", fused_grad, eager_grad, p_ref.grad)
     for (name, b_fused), (_, b_eager), (_, b_ref) in zip(fused.named_buffers(), eager.named_buffers(),
                                                          ref.named_buffers()):
         if b_fused.is_floating_point():
@@ -173,14 +197,14 @@ def _compare_synced_state(fused: nn.Module, eager: nn.Module, ref: nn.Module) ->
         m.zero_grad(set_to_none=True)
 
 
-def lone_sync_batch_norm(rank: int, world_size: int, init_file: str) -> None:
+def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str = "cpu") -> None:
     """A SyncBatchNorm that heads no chain (its input is the model's): torch.ops.fusepass.sync_batch_norm,
     forward and backward (the input's gradient too), against BatchNorm1d on the global batch; and eager's
     error for input of the wrong dimension."""
-    _init(rank, world_size, init_file)
+    dev = _init(rank, world_size, init_file, device)
     try:
         torch.manual_seed(0)  # the same model on every rank
-        model = nn.Sequential(nn.BatchNorm1d(12), nn.Tanh())
+        model = nn.Sequential(nn.BatchNorm1d(12), nn.Tanh()).to(dev)
         randomize_batch_norm(model[0])
         eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
         fused = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
@@ -188,8 +212,8 @@ def lone_sync_batch_norm(rank: int, world_size: int, init_file: str) -> None:
         first = sum(ROWS_PER_RANK[:rank])
         rows = slice(first, first + ROWS_PER_RANK[rank])
         torch.manual_seed(7)
-        x = make_input(sum(ROWS_PER_RANK), 12)
-        projection = torch.randn(x.shape[0], 12, dtype=torch.float64)
+        x = make_input(sum(ROWS_PER_RANK), 12, str(dev))
+        projection = torch.randn(x.shape[0], 12, dtype=torch.float64, device=dev)
         inputs, outs = {}, {}
         for name, fn, dtype, part in (("eager", eager, torch.float32, slice(None)),
                                       ("ref", ref, torch.float64, slice(None)), ("fused", compiled, torch.float32, rows)):
@@ -199,13 +223,54 @@ def lone_sync_batch_norm(rank: int, world_size: int, init_file: str) -> None:
         assert_no_further_from_float64("output", outs["fused"], outs["eager"][rows], outs["ref"][rows])
         assert_no_further_from_float64("grad x", inputs["fused"].grad, inputs["eager"].grad[rows],
                                        inputs["ref"].grad[rows])
-        _compare_synced_state(fused, eager, ref)
+        _compare_synced_state(fused, eager, ref, summed=True, world_size=world_size)
         assert counters["fusepass"]["rewrites"] == 0  # no chain: the op of a lone SyncBatchNorm
+        if dev.type == "cpu":  # another backend traces eager's SyncBatchNorm, which refuses CPU input
+            other = torch.compile(nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)), backend="eager")
+            try:
+                other(x[rows])
+            except ValueError as exc:
+                assert "SyncBatchNorm expected input tensor to be on GPU" in str(exc), exc
+            else:
+                raise AssertionError("another backend must run eager's SyncBatchNorm")
         try:
-            compiled(torch.randn(5))
+            compiled(torch.randn(5, device=dev))
         except ValueError as exc:
             assert "expected at least 2D input (got 1D input)" in str(exc), exc  # eager's message
         else:
             raise AssertionError("a 1-D input must raise eager's ValueError")
+    finally:
+        dist.destroy_process_group()
+
+
+def collective_counts(rank: int, world_size: int, init_file: str, device: str = "cpu") -> None:
+    """One training step of SyncChains (two SyncBatchNorm chains, fused), profiled: exactly one
+    all-gather per chain in the forward and one all-reduce per chain in the backward, counted as the
+    functional collectives called and, on GPUs, as the NCCL kernels launched."""
+    dev = _init(rank, world_size, init_file, device)
+    try:
+        torch.manual_seed(0)
+        compiled = torch.compile(nn.SyncBatchNorm.convert_sync_batchnorm(SyncChains().to(dev)), backend="fusepass")
+        x = make_input(ROWS_PER_RANK[rank], IN, str(dev))
+        compiled(x).sum().backward()  # compiles
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if dev.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            compiled(x).sum().backward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        events = prof.key_averages()
+        # Inductor may call a collective's in-place or out= variant (all_reduce_, all_gather_into_tensor_out)
+        calls = {name: sum(e.count for e in events if e.key.startswith(f"_c10d_functional::{name}"))
+                 for name in ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor", "all_to_all_single")}
+        assert calls == {"all_gather_into_tensor": 2, "all_reduce": 2, "reduce_scatter_tensor": 0,
+                         "all_to_all_single": 0}, (calls, [(e.key, e.count) for e in events if "c10d" in e.key])
+        if dev.type == "cuda":
+            kernels = [e for e in events if e.key.startswith("ncclDevKernel") or e.key.startswith("ncclKernel")]
+            gathers = sum(e.count for e in kernels if "AllGather" in e.key)
+            reduces = sum(e.count for e in kernels if "AllReduce" in e.key)
+            assert (gathers, reduces, sum(e.count for e in kernels)) == (2, 2, 4), [(e.key, e.count) for e in kernels]
+        assert counters["fusepass"]["rewrites"] == 2
     finally:
         dist.destroy_process_group()

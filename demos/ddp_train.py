@@ -1,0 +1,154 @@
+"""Data-parallel training with fused chains: DistributedDataParallel, plain BatchNorm1d chains and
+SyncBatchNorm chains (the user's own convert_sync_batchnorm), eager DDP / Inductor DDP / fusepass DDP.
+
+    torchrun --nproc-per-node 2 demos/ddp_train.py [--problems demos/problems/gemm_scale_batchnorm.py ...]
+        [--precision fp32 bf16-autocast] [--steps 20] [--json results.json]
+
+Each rank trains on its own batch of the problem's batch size over the world size (the reference batch
+split across the GPUs), for --warmup steps and then --steps timed steps (forward, backward, SGD step).
+Every rank prints what fusepass fused; rank 0 prints the median step time of each provider, timed with
+CUDA events over a fixed number of steps (all ranks must run the same steps: their collectives pair up,
+so do_bench's own choice of repetitions cannot be used). On a machine without GPUs it runs on CPU with
+gloo, shrunk (--shrink), plain batch norm only: DDP refuses SyncBatchNorm on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from tabulate import tabulate
+from torch._dynamo.utils import counters
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fusepass.bench import build_model, precision_context, problem_inputs
+from fusepass.problems import load_problem, problem_size, shrunk_size
+
+PROBLEMS = Path(__file__).parent / "problems"
+REFERENCE = [str(PROBLEMS / f"{name}.py") for name in
+             ("gemm_scale_batchnorm", "gemm_batchnorm_scale_softmax", "mlp_batchnorm")]
+PROVIDERS = ("eager", "inductor", "fusepass")
+warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores", category=UserWarning)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--problems", nargs="+", default=REFERENCE)
+    parser.add_argument("--norms", nargs="+", default=["batch_norm", "sync_batch_norm"],
+                        choices=["batch_norm", "sync_batch_norm"])
+    parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16-autocast"])
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--shrink", type=int, default=16, help="on CPU: divide the problem's sizes by this")
+    parser.add_argument("--json", help="rank 0 writes the results here")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    cuda = torch.cuda.is_available()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    norms = args.norms if cuda else ["batch_norm"]
+    results = []
+    for path in args.problems:
+        for norm in norms:
+            for precision in args.precision:
+                results.append(run_case(path, norm, precision, args, device, rank, world))
+    if rank == 0:
+        print_table(results, world)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"environment": environment(world), "results": results}, indent=2))
+    dist.destroy_process_group()
+
+
+def run_case(path: str, norm: str, precision: str, args, device: torch.device, rank: int, world: int) -> dict:
+    size = problem_size(load_problem(path))
+    if device.type == "cpu":
+        size = shrunk_size(size, args.shrink)
+    size = (max(2, size[0] // world), *size[1:])  # the reference batch, split across the ranks
+    problem = load_problem(path, size)
+    base = build_model(problem, "train", str(device))
+    if norm == "sync_batch_norm":
+        base = nn.SyncBatchNorm.convert_sync_batchnorm(base)
+    inputs = problem_inputs(problem, str(device), seed=rank)  # each rank its own batch
+    case = {"problem": Path(path).stem, "size": list(size), "norm": norm, "precision": precision, "ms": {}}
+    for provider in PROVIDERS:
+        counters["fusepass"].clear()
+        step = training_step(provider, copy.deepcopy(base), inputs, precision, device)
+        times = timed(step, args.warmup, args.steps, device)
+        case["ms"][provider] = statistics.median(times)
+        if provider == "fusepass":
+            fused = dict(counters["fusepass"])
+            case["fused"] = fused
+            print(f"rank {rank}: {case['problem']} {norm} {precision}: fusepass {fused}", flush=True)
+    return case
+
+
+def training_step(provider: str, model: nn.Module, inputs: list, precision: str, device: torch.device):
+    ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+    fn = ddp if provider == "eager" else torch.compile(ddp, backend="inductor" if provider == "inductor" else "fusepass")
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+
+    def step() -> None:
+        with precision_context(precision, device.type):
+            out = fn(*inputs)
+        out.float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def timed(step, warmup: int, steps: int, device: torch.device) -> list[float]:
+    """Per-step milliseconds of `steps` steps after `warmup` (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return times
+
+
+def print_table(results: list[dict], world: int) -> None:
+    rows = []
+    for r in results:
+        ms = r["ms"]
+        rows.append([r["problem"], "×".join(map(str, r["size"])), r["norm"], r["precision"],
+                     *(f"{ms[p]:.3f}" for p in PROVIDERS), f"{ms['eager'] / ms['fusepass']:.2f}×",
+                     f"{ms['inductor'] / ms['fusepass']:.2f}×", r["fused"].get("rewrites", 0)])
+    print(f"\ntraining step per rank, {world} ranks, median ms (forward, backward, SGD step):")
+    print(tabulate(rows, headers=["problem", "batch per rank × in → out", "norm", "precision", "eager DDP",
+                                  "Inductor DDP", "fusepass DDP", "vs eager", "vs Inductor", "fused chains"]))
+
+
+def environment(world: int) -> dict:
+    import triton
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": device, "world_size": world, "torch": torch.__version__, "triton": triton.__version__,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+if __name__ == "__main__":
+    main()
