@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from torch.fx import Graph, GraphModule, Node
 

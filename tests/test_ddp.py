@@ -31,8 +31,9 @@ def test_without_fusepass_the_bucket_cut_falls_inside_a_chain(tmp_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_sync_batch_norm_chains_fuse_and_match_batch_norm_over_the_global_batch(device, tmp_path):
-    spawn(workers.sync_batch_norm_chains, tmp_path, device)
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_sync_batch_norm_chains_fuse_and_match_batch_norm_over_the_global_batch(autocast, device, tmp_path):
+    spawn(workers.sync_batch_norm_chains, tmp_path, device, autocast)
 
 
 @pytest.mark.parametrize("device", DEVICES)
