@@ -1,6 +1,7 @@
 """Whether the compile under way is fusepass's: Dynamo wraps a backend in objects that forward
 `compiler_fn` and `kwargs`, and DDPOptimizer wraps it in its own `compile_fn` (a bound method whose
-object holds `backend_compile_fn`)."""
+object holds `backend_compile_fn`). explain()'s recording backend counts as fusepass's: it must see
+the graphs fusepass would."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def fusepass_kwargs(compiler_fn: Callable) -> Optional[dict]:
     fn, kwargs = compiler_fn, {}
     for _ in range(8):  # a few layers of wrapping at most
         kwargs = getattr(fn, "kwargs", None) or kwargs
-        if fn is fusepass_backend:
+        if fn is fusepass_backend or getattr(fn, "sees_fusepass_graphs", False):
             return dict(kwargs)
         fn = getattr(fn, "compiler_fn", None) or getattr(getattr(fn, "__self__", None), "backend_compile_fn", None)
         if fn is None:

@@ -13,6 +13,7 @@ from tabulate import tabulate
 from torch.fx import GraphModule
 
 from fusepass import race
+from fusepass.ddp import inline_chains
 from fusepass.lowering.schema import Kernel
 from fusepass.pattern import Match, Miss, find_chains
 
@@ -92,11 +93,13 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
     report = Report()
 
     def recording_backend(gm: GraphModule, _example_inputs):
+        inline_chains(gm)  # a DDP piece's chains, held whole across the bucket cuts (ddp.py)
         matches, misses = find_chains(gm.graph)
         for match in matches:
             match.verdict = race.recorded(gm, match, Kernel())
         report.add_graph(matches, misses)
         return gm.forward
 
+    recording_backend.sees_fusepass_graphs = True  # SyncBatchNorm captured, DDP's cuts kept out of chains
     torch.compile(copy.deepcopy(model), backend=recording_backend)(*example_inputs, **example_kwargs)
     return report

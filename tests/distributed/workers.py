@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from fusepass import explain
 from tests.chains import Trio, assert_fused, assert_no_further_from_float64, make_input, randomize_batch_norm
 
 # DDP's first gradient bucket holds 1 MiB: walking the graph backwards, the last Linear (1024 -> 255,
@@ -179,6 +180,9 @@ def sync_batch_norm_chains(rank: int, world_size: int, init_file: str, device: s
             if training:
                 unwrap = (lambda m: m.module) if on_gpus else (lambda m: m)  # noqa: E731
                 _compare_synced_state(unwrap(fused), unwrap(eager), ref, summed=not on_gpus, world_size=world_size)
+        patterns = [m["pattern"] for m in explain(nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)).train(),
+                                                  x[rows]).matches]
+        assert patterns == ["linear_scale_sync_batch_norm_relu", "linear_sync_batch_norm_gelu_softmax", "linear"], patterns
         # two chains in a training graph and in an eval graph; the last Linear on fusepass's linear op in
         # fp32 only (under autocast a bare linear is Inductor's, options.py)
         assert_fused(rewrites=4, graphs=2, linears=0 if autocast else 2)
