@@ -19,7 +19,6 @@ import copy
 import json
 import os
 import statistics
-import subprocess
 import time
 import warnings
 from pathlib import Path
@@ -31,7 +30,7 @@ from tabulate import tabulate
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fusepass.bench import build_model, precision_context, problem_inputs
+from fusepass.bench import build_model, precision_context, problem_inputs, source_commit
 from fusepass.problems import load_problem, problem_size, shrunk_size
 
 PROBLEMS = Path(__file__).parent / "problems"
@@ -149,17 +148,6 @@ def environment(world: int) -> dict:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"device": device, "world_size": world, "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": source_commit()}
-
-
-def source_commit() -> str:
-    """The commit measured: FUSEPASS_SOURCE_COMMIT where the work tree's .git is not its own, else HEAD's."""
-    if os.environ.get("FUSEPASS_SOURCE_COMMIT"):
-        return os.environ["FUSEPASS_SOURCE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -31,7 +31,9 @@ import copy
 import datetime
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -557,6 +559,22 @@ def environment(device: str, argv: list[str]) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["fusepass-bench", *argv]),
     }
+
+
+def source_commit() -> Optional[str]:
+    """The commit measured: HEAD's short hash, "+changes" when fusepass/ differs from it; None outside a
+    git checkout. FUSEPASS_SOURCE_COMMIT overrides it, for copies of a work tree whose .git is not its own."""
+    if os.environ.get("FUSEPASS_SOURCE_COMMIT"):
+        return os.environ["FUSEPASS_SOURCE_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "fusepass"], cwd=root,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if changed else "")
 
 
 def write_plot(results: list[Result], path: str) -> None:

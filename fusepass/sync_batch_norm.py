@@ -26,7 +26,7 @@ from torch import Tensor
 
 from fusepass.compile_context import compiling_with_fusepass
 from fusepass.lowering import sync
-from fusepass.lowering.reference import updated_running_stats
+from fusepass.lowering.reference import affine, per_channel, updated_running_stats
 from fusepass.lowering.schema import BatchNorm
 
 _EAGER_FORWARD = nn.SyncBatchNorm.forward
@@ -84,7 +84,7 @@ def _op(input: Tensor, running_mean: Optional[Tensor], running_var: Optional[Ten
     sync.check_global_count(count, rows.shape[1])
     var = m2 / count
     invstd = 1.0 / torch.sqrt(var + eps)
-    out = _affine((input.float() - _per_channel(mean, input)) * _per_channel(invstd, input), bn, input)
+    out = affine((input.float() - per_channel(mean, input)) * per_channel(invstd, input), bn)
     new_mean, new_var = updated_running_stats(bn, count, mean, var)
     return out.to(input.dtype), new_mean, new_var, mean, invstd
 
@@ -110,13 +110,13 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_out, *_):
     input, weight, mean, invstd = ctx.saved_tensors
     g = grad_out.float()
-    x_hat = (input.float() - _per_channel(mean, input)) * _per_channel(invstd, input)
-    g_hat = g * _per_channel(weight.float(), input) if weight is not None else g
+    x_hat = (input.float() - per_channel(mean, input)) * per_channel(invstd, input)
+    g_hat = g * per_channel(weight.float(), input) if weight is not None else g
     dims = [d for d in range(input.dim()) if d != 1]
     rows = input.numel() // input.shape[1]
     sum_g, sum_g_xhat, count = sync.all_reduce_sums(g_hat.sum(dims), (g_hat * x_hat).sum(dims), rows, ctx.group_name)
-    grad_input = (g_hat - _per_channel(sum_g / count, input) - x_hat * _per_channel(sum_g_xhat / count, input))
-    grad_input = (grad_input * _per_channel(invstd, input)).to(input.dtype)
+    grad_input = (g_hat - per_channel(sum_g / count, input) - x_hat * per_channel(sum_g_xhat / count, input))
+    grad_input = (grad_input * per_channel(invstd, input)).to(input.dtype)
     grad_weight = (g * x_hat).sum(dims).to(weight.dtype) if weight is not None else None
     grad_bias = g.sum(dims).to(weight.dtype) if weight is not None else None
     return grad_input, None, None, grad_weight, grad_bias, None, None, None
@@ -128,15 +128,3 @@ _op.register_autograd(_backward, setup_context=_setup_context)
 def _channels_last_rows(input: Tensor) -> Tensor:
     """(N * spatial, C): every value of a channel in its column."""
     return input.transpose(0, 1).reshape(input.shape[1], -1).t()
-
-
-def _per_channel(v: Tensor, like: Tensor) -> Tensor:
-    return v.view(1, -1, *([1] * (like.dim() - 2)))
-
-
-def _affine(x_hat: Tensor, bn: BatchNorm, like: Tensor) -> Tensor:
-    if bn.weight is not None:
-        x_hat = x_hat * _per_channel(bn.weight.float(), like)
-    if bn.bias is not None:
-        x_hat = x_hat + _per_channel(bn.bias.float(), like)
-    return x_hat

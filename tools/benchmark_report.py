@@ -191,26 +191,12 @@ def run_spec(spec: Spec, out_dir: Path, dry_run: bool = False) -> None:
 
 def annotate(json_path: Path, spec: Spec, wall_s: float) -> None:
     """Adds what the bench cannot know: section, caches, commit, wall time."""
+    from fusepass.bench import source_commit
     payload = json.loads(json_path.read_text())
     payload["report"] = {"section": spec.section, "spec": spec.name, "caches": "warm" if spec.warm else "cold",
-                         "caches_note": WARM_NOTE if spec.warm else COLD_NOTE, "commit": current_commit(),
+                         "caches_note": WARM_NOTE if spec.warm else COLD_NOTE, "commit": source_commit(),
                          "wall_s": round(wall_s)}
     json_path.write_text(json.dumps(payload, indent=2))
-
-
-def current_commit() -> Optional[str]:
-    """HEAD's short hash, "+changes" when fusepass/ differs from it; None outside a git checkout.
-    FUSEPASS_SOURCE_COMMIT overrides it, for copies of a work tree whose .git is not its own."""
-    if os.environ.get("FUSEPASS_SOURCE_COMMIT"):
-        return os.environ["FUSEPASS_SOURCE_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--", "fusepass"], cwd=ROOT,
-                                 capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+changes" if changed else "")
 
 
 def run(only: Optional[list[str]], out_dir: Path, dry_run: bool = False) -> None:

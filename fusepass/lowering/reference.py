@@ -48,12 +48,17 @@ def reference(args: ChainArgs) -> ChainOutputs:
 
 
 def affine(x_hat: Tensor, bn: BatchNorm) -> Tensor:
-    """x_hat * gamma + beta, each where present."""
+    """x_hat * gamma + beta, each where present, per channel (dim 1 of an (N, C, *) x_hat)."""
     if bn.weight is not None:
-        x_hat = x_hat * bn.weight.float()
+        x_hat = x_hat * per_channel(bn.weight.float(), x_hat)
     if bn.bias is not None:
-        x_hat = x_hat + bn.bias.float()
+        x_hat = x_hat + per_channel(bn.bias.float(), x_hat)
     return x_hat
+
+
+def per_channel(v: Tensor, like: Tensor) -> Tensor:
+    """A (C,) vector shaped to broadcast over dim 1 of an (N, C, *) tensor."""
+    return v.view(1, -1, *([1] * (like.dim() - 2)))
 
 
 def running_stats_dtype(bn: BatchNorm) -> torch.dtype:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 
 def moments(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -51,14 +52,9 @@ def _chan(counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[Tensor, Tensor, T
 def check_global_count(count: Tensor, n_features: int) -> None:
     """Eager SyncBatchNorm's error for a batch of one value per channel over all ranks (a host sync: only
     where eager would also need the count, i.e. outside traced graphs)."""
-    if not torch.compiler.is_compiling() and not _is_fake(count) and int(count.item()) == 1:
+    if not torch.compiler.is_compiling() and not is_fake(count) and int(count.item()) == 1:
         raise ValueError("Expected more than 1 value per channel when training, got input size "
                          f"{torch.Size((1, n_features))}")
-
-
-def _is_fake(t: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-    return is_fake(t)
 
 
 def all_reduce_sums(sum_g: Tensor, sum_g_xhat: Tensor, n_rows: int, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
