@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
+import sys
 from contextlib import nullcontext
 
 import torch
@@ -39,6 +41,22 @@ class TwoChainsAndALinear(nn.Module):
         return self.l3(x)
 
 
+def rank_main(worker):
+    """A spawned rank's function that, once its checks have passed and its group is destroyed, leaves
+    without the interpreter's teardown: on CI a rank once aborted there ("terminate called without an
+    active exception") after passing, as torch's own threads were torn down with the process. A failing
+    check still raises, and torch.multiprocessing reports it."""
+
+    @functools.wraps(worker)
+    def run(*args):
+        worker(*args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    return run
+
+
 def _init(rank: int, world_size: int, init_file: str, device: str = "cpu") -> torch.device:
     """Joins the group: gloo on CPU, NCCL on one GPU per rank. Returns the rank's device."""
     if device == "cuda":
@@ -52,6 +70,7 @@ def _init(rank: int, world_size: int, init_file: str, device: str = "cpu") -> to
     return torch.device("cpu")
 
 
+@rank_main
 def ddp_chains(rank: int, world_size: int, init_file: str, optimize_ddp: str, device: str = "cpu") -> None:
     """DDP of TwoChainsAndALinear, eager / fusepass / float64, three training steps on each rank's own
     batch (33 rows, odd): outputs, gradients (averaged by DDP) and buffers by the float64 criterion, and
@@ -89,6 +108,7 @@ def ddp_chains(rank: int, world_size: int, init_file: str, optimize_ddp: str, de
         dist.destroy_process_group()
 
 
+@rank_main
 def ddp_cut_without_grouping(rank: int, world_size: int, init_file: str) -> None:
     """The control for ddp_chains: a backend of another name, under DDPOptimizer, gets the second chain
     cut between its scale and its batch norm (so ddp_chains tests what it says)."""
@@ -132,6 +152,7 @@ class SyncChains(nn.Module):
 ROWS_PER_RANK = (20, 13)  # uneven: ranks may hold different batch sizes
 
 
+@rank_main
 def sync_batch_norm_chains(rank: int, world_size: int, init_file: str, device: str = "cpu",
                            autocast: bool = False) -> None:
     """SyncBatchNorm chains compiled with fusepass, against one process's BatchNorm1d model on the global
@@ -210,6 +231,7 @@ def _compare_synced_state(fused: nn.Module, eager: nn.Module, ref: nn.Module, su
         m.zero_grad(set_to_none=True)
 
 
+@rank_main
 def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str = "cpu") -> None:
     """A SyncBatchNorm that heads no chain (its input is the model's): torch.ops.fusepass.sync_batch_norm,
     forward and backward (the input's gradient too), against BatchNorm1d on the global batch; and eager's
@@ -256,6 +278,7 @@ def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str
         dist.destroy_process_group()
 
 
+@rank_main
 def collective_counts(rank: int, world_size: int, init_file: str, device: str = "cpu") -> None:
     """One training step of SyncChains (two SyncBatchNorm chains, fused), profiled: exactly one
     all-gather per chain in the forward and one all-reduce per chain in the backward, counted as the
