@@ -77,14 +77,15 @@ def install() -> None:
 def _op(input: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor], weight: Optional[Tensor],
         bias: Optional[Tensor], momentum: float, eps: float, group_name: str
         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, new running mean, new running var, mean, invstd); the statistics over all ranks' batches."""
+    """(out, new running mean, new running var, mean, invstd); the statistics over all ranks' batches, in
+    the input's accumulation dtype (fp32, or float64 for a float64 input)."""
     bn = BatchNorm(weight, bias, running_mean, running_var, True, momentum, eps, group_name)
     rows = _channels_last_rows(input)
     count, mean, m2 = sync.merge_across_ranks(*sync.moments(rows), group_name)
     sync.check_global_count(count, rows.shape[1])
     var = m2 / count
     invstd = 1.0 / torch.sqrt(var + eps)
-    out = affine((input.float() - per_channel(mean, input)) * per_channel(invstd, input), bn)
+    out = affine((input.to(mean.dtype) - per_channel(mean, input)) * per_channel(invstd, input), bn)
     new_mean, new_var = updated_running_stats(bn, count, mean, var)
     return out.to(input.dtype), new_mean, new_var, mean, invstd
 
@@ -94,9 +95,10 @@ def _(input, running_mean, running_var, weight, bias, momentum, eps, group_name)
     channels = input.shape[1]
     stats_dtype = running_mean.dtype if running_mean is not None else torch.float32
     running = (channels,) if running_mean is not None else (0,)
+    acc = sync.accumulation_dtype(input.dtype)
     return (torch.empty_like(input), input.new_empty(running, dtype=stats_dtype),
-            input.new_empty(running, dtype=stats_dtype), input.new_empty(channels, dtype=torch.float32),
-            input.new_empty(channels, dtype=torch.float32))
+            input.new_empty(running, dtype=stats_dtype), input.new_empty(channels, dtype=acc),
+            input.new_empty(channels, dtype=acc))
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -109,9 +111,9 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out, *_):
     input, weight, mean, invstd = ctx.saved_tensors
-    g = grad_out.float()
-    x_hat = (input.float() - per_channel(mean, input)) * per_channel(invstd, input)
-    g_hat = g * per_channel(weight.float(), input) if weight is not None else g
+    g = grad_out.to(mean.dtype)
+    x_hat = (input.to(mean.dtype) - per_channel(mean, input)) * per_channel(invstd, input)
+    g_hat = g * per_channel(weight.to(mean.dtype), input) if weight is not None else g
     dims = [d for d in range(input.dim()) if d != 1]
     rows = input.numel() // input.shape[1]
     sum_g, sum_g_xhat, count = sync.all_reduce_sums(g_hat.sum(dims), (g_hat * x_hat).sum(dims), rows, ctx.group_name)

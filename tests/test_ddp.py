@@ -37,8 +37,9 @@ def test_sync_batch_norm_chains_fuse_and_match_batch_norm_over_the_global_batch(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_lone_sync_batch_norm_runs_its_own_op_and_keeps_eagers_errors(device, tmp_path):
-    spawn(workers.lone_sync_batch_norm, tmp_path, device)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_lone_sync_batch_norm_runs_its_own_op_and_keeps_eagers_errors(dtype, device, tmp_path):
+    spawn(workers.lone_sync_batch_norm, tmp_path, device, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -48,11 +48,12 @@ def reference(args: ChainArgs) -> ChainOutputs:
 
 
 def affine(x_hat: Tensor, bn: BatchNorm) -> Tensor:
-    """x_hat * gamma + beta, each where present, per channel (dim 1 of an (N, C, *) x_hat)."""
+    """x_hat * gamma + beta, each where present, per channel (dim 1 of an (N, C, *) x_hat), in x_hat's
+    dtype."""
     if bn.weight is not None:
-        x_hat = x_hat * per_channel(bn.weight.float(), x_hat)
+        x_hat = x_hat * per_channel(bn.weight.to(x_hat.dtype), x_hat)
     if bn.bias is not None:
-        x_hat = x_hat + per_channel(bn.bias.float(), x_hat)
+        x_hat = x_hat + per_channel(bn.bias.to(x_hat.dtype), x_hat)
     return x_hat
 
 
@@ -76,6 +77,7 @@ def updated_running_stats(bn: BatchNorm, n, mean: Tensor, var: Tensor) -> tuple[
         dtype = running_stats_dtype(bn)
         return mean.new_empty(0, dtype=dtype), mean.new_empty(0, dtype=dtype)
     unbiased_var = var * (n / (n - 1))
-    new_mean = bn.momentum * mean + (1.0 - bn.momentum) * bn.running_mean.float()
-    new_var = bn.momentum * unbiased_var + (1.0 - bn.momentum) * bn.running_var.float()
+    dtype = torch.promote_types(mean.dtype, bn.running_mean.dtype)
+    new_mean = bn.momentum * mean + (1.0 - bn.momentum) * bn.running_mean.to(dtype)
+    new_var = bn.momentum * unbiased_var + (1.0 - bn.momentum) * bn.running_var.to(dtype)
     return new_mean.to(bn.running_mean.dtype), new_var.to(bn.running_var.dtype)

@@ -17,9 +17,14 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp32 and narrower inputs, float64 for float64 (as eager's batch-norm statistics)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def moments(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(count, mean, M2) per feature of an (N, F) tensor, in fp32: count a (1,) tensor."""
-    z = z.float()
+    """(count, mean, M2) per feature of an (N, F) tensor, in its accumulation dtype: count a (1,) tensor."""
+    z = z.to(accumulation_dtype(z.dtype))
     mean = z.mean(0)
     return z.new_full((1,), z.shape[0]), mean, ((z - mean) ** 2).sum(0)
 
@@ -35,7 +40,8 @@ def merge_strips(part_mean: Tensor, part_m2: Tensor, rows_per_part: int, n_rows:
 def merge_across_ranks(count: Tensor, mean: Tensor, m2: Tensor, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
     """Every rank's (count, mean, M2) merged: one all-gather of a (2F + 1,) vector per rank."""
     n_features = mean.shape[0]
-    local = torch.cat([count.float(), mean.float(), m2.float()])
+    dtype = accumulation_dtype(mean.dtype)
+    local = torch.cat([count.to(dtype), mean.to(dtype), m2.to(dtype)])
     gathered = funcol.wait_tensor(funcol.all_gather_tensor(local, 0, group_name)).view(-1, 2 * n_features + 1)
     counts, means, m2s = gathered[:, :1], gathered[:, 1:n_features + 1], gathered[:, n_features + 1:]
     return _chan(counts, means, m2s)
@@ -60,6 +66,7 @@ def check_global_count(count: Tensor, n_features: int) -> None:
 def all_reduce_sums(sum_g: Tensor, sum_g_xhat: Tensor, n_rows: int, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
     """The backward's one collective: (sum g_hat, sum g_hat * x_hat, row count) summed over the ranks."""
     n_features = sum_g.shape[0]
-    local = torch.cat([sum_g.float(), sum_g_xhat.float(), sum_g.new_full((1,), float(n_rows), dtype=torch.float32)])
+    dtype = accumulation_dtype(sum_g.dtype)
+    local = torch.cat([sum_g.to(dtype), sum_g_xhat.to(dtype), sum_g.new_full((1,), float(n_rows), dtype=dtype)])
     total = funcol.wait_tensor(funcol.all_reduce(local, "sum", group_name))
     return total[:n_features], total[n_features:2 * n_features], total[2 * n_features:]

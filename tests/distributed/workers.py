@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fusepass import explain
+from fusepass.numerics import rel_error
 from tests.chains import Trio, assert_fused, assert_no_further_from_float64, make_input, randomize_batch_norm
 
 # DDP's first gradient bucket holds 1 MiB: walking the graph backwards, the last Linear (1024 -> 255,
@@ -231,15 +232,36 @@ def _compare_synced_state(fused: nn.Module, eager: nn.Module, ref: nn.Module, su
         m.zero_grad(set_to_none=True)
 
 
+FLOAT64_EXACT = 1e-12  # relative: float64 roundoff, far below fp32's 6e-8
+
+
+def _assert_float64_exact(fused: nn.Module, ref: nn.Module, world_size: int, *results) -> None:
+    """The fused float64 model's results, gradients (summed over the ranks) and running statistics against
+    the single-process float64 model's, within FLOAT64_EXACT."""
+    pairs = list(results)
+    for (name, p_fused), (_, p_ref) in zip(fused.named_parameters(), ref.named_parameters()):
+        summed = p_fused.grad.clone()
+        dist.all_reduce(summed)
+        pairs.append((f"grad {name}", summed, p_ref.grad))
+    pairs += [(f"buffer {name}", b_fused, b_ref) for (name, b_fused), (_, b_ref)
+              in zip(fused.named_buffers(), ref.named_buffers()) if b_fused.is_floating_point()]
+    for what, value, expected in pairs:
+        assert value.dtype == torch.float64, (what, value.dtype)
+        error = rel_error(value, expected)
+        assert error <= FLOAT64_EXACT, f"{what}: {error:.3g} from the float64 model (fp32 math inside?)"
+
+
 @rank_main
-def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str = "cpu") -> None:
+def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str = "cpu",
+                         dtype: torch.dtype = torch.float32) -> None:
     """A SyncBatchNorm that heads no chain (its input is the model's): torch.ops.fusepass.sync_batch_norm,
     forward and backward (the input's gradient too), against BatchNorm1d on the global batch; and eager's
-    error for input of the wrong dimension."""
+    error for input of the wrong dimension. A float64 model (no chain fuses float64) must be as exact
+    as float64 BatchNorm1d: the project's criterion's floor of a few fp32 ulps would pass fp32 math."""
     dev = _init(rank, world_size, init_file, device)
     try:
         torch.manual_seed(0)  # the same model on every rank
-        model = nn.Sequential(nn.BatchNorm1d(12), nn.Tanh()).to(dev)
+        model = nn.Sequential(nn.BatchNorm1d(12), nn.Tanh()).to(dev, dtype)
         randomize_batch_norm(model[0])
         eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
         fused = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
@@ -250,14 +272,17 @@ def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str
         x = make_input(sum(ROWS_PER_RANK), 12, str(dev))
         projection = torch.randn(x.shape[0], 12, dtype=torch.float64, device=dev)
         inputs, outs = {}, {}
-        for name, fn, dtype, part in (("eager", eager, torch.float32, slice(None)),
-                                      ("ref", ref, torch.float64, slice(None)), ("fused", compiled, torch.float32, rows)):
-            inputs[name] = x[part].to(dtype).requires_grad_()
+        for name, fn, in_dtype, part in (("eager", eager, dtype, slice(None)),
+                                         ("ref", ref, torch.float64, slice(None)), ("fused", compiled, dtype, rows)):
+            inputs[name] = x[part].to(in_dtype).requires_grad_()
             outs[name] = fn(inputs[name])
             (outs[name].double() * projection[part]).sum().backward()
         assert_no_further_from_float64("output", outs["fused"], outs["eager"][rows], outs["ref"][rows])
         assert_no_further_from_float64("grad x", inputs["fused"].grad, inputs["eager"].grad[rows],
                                        inputs["ref"].grad[rows])
+        if dtype == torch.float64:
+            _assert_float64_exact(fused, ref, world_size, ("output", outs["fused"], outs["ref"][rows]),
+                                  ("grad x", inputs["fused"].grad, inputs["ref"].grad[rows]))
         _compare_synced_state(fused, eager, ref, summed=True, world_size=world_size)
         assert counters["fusepass"]["rewrites"] == 0  # no chain: the op of a lone SyncBatchNorm
         if dev.type == "cpu":  # another backend traces eager's SyncBatchNorm, which refuses CPU input
