@@ -36,6 +36,11 @@ def test_sync_batch_norm_chains_fuse_and_match_batch_norm_over_the_global_batch(
     spawn(workers.sync_batch_norm_chains, tmp_path, device, autocast)
 
 
+@pytest.mark.parametrize("joins_a_group", [True, False], ids=["world-size-1", "no-process-group"])
+def test_sync_batch_norm_without_peers_is_a_batch_norm_chain(joins_a_group, tmp_path):
+    spawn(workers.sync_batch_norm_without_peers, tmp_path, joins_a_group, world_size=1)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 def test_lone_sync_batch_norm_runs_its_own_op_and_keeps_eagers_errors(dtype, device, tmp_path):

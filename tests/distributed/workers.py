@@ -154,6 +154,38 @@ ROWS_PER_RANK = (20, 13)  # uneven: ranks may hold different batch sizes
 
 
 @rank_main
+def sync_batch_norm_without_peers(rank: int, world_size: int, init_file: str, joins_a_group: bool) -> None:
+    """SyncBatchNorm chains where SyncBatchNorm is plain batch norm: in a group of one rank, or with no
+    process group at all. fusepass fuses them as batch-norm chains, with no collective. Eager is eager
+    SyncBatchNorm without a group; in a CPU group of one, where eager SyncBatchNorm refuses CPU input
+    before it looks at the world size, it is the model before convert_sync_batchnorm (and so is the
+    float64 model)."""
+    if joins_a_group:
+        _init(rank, world_size, init_file)
+    try:
+        assert dist.is_initialized() == joins_a_group
+        torch.manual_seed(0)
+        plain = SyncChains()
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(plain))
+        patterns = [m["pattern"] for m in explain(copy.deepcopy(model).train(), make_input(8, IN)).matches]
+        assert patterns == ["linear_scale_batch_norm_relu", "linear_batch_norm_gelu_softmax", "linear"], patterns
+        counters["fusepass"].clear()
+        fused = copy.deepcopy(model)
+        eager = plain if joins_a_group else model
+        trio = Trio(copy.deepcopy(eager), fused, copy.deepcopy(eager).double(),
+                    torch.compile(fused, backend="fusepass"), zero_grads=("l1.bias", "l2.bias"), float64_grads=("s",))
+        for training, steps in ((True, 3), (False, 1)):
+            trio.train(training)
+            for _ in range(steps):
+                trio.step(make_input(sum(ROWS_PER_RANK), IN))
+        trio.finish()
+        assert_fused(rewrites=4, graphs=2, linears=2)
+    finally:
+        if joins_a_group:
+            dist.destroy_process_group()
+
+
+@rank_main
 def sync_batch_norm_chains(rank: int, world_size: int, init_file: str, device: str = "cpu",
                            autocast: bool = False) -> None:
     """SyncBatchNorm chains compiled with fusepass, against one process's BatchNorm1d model on the global
