@@ -30,10 +30,16 @@ def test_without_fusepass_the_bucket_cut_falls_inside_a_chain(tmp_path):
     spawn(workers.ddp_cut_without_grouping, tmp_path)
 
 
+# Ranks' batch sizes: uneven, and one rank without rows (its statistics must not enter the merge)
+ROWS = pytest.mark.parametrize("rows_per_rank", [(20, 13), (33, 0)], ids=["uneven", "a-rank-without-rows"])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_sync_batch_norm_chains_fuse_and_match_batch_norm_over_the_global_batch(autocast, device, tmp_path):
-    spawn(workers.sync_batch_norm_chains, tmp_path, device, autocast)
+@ROWS
+def test_sync_batch_norm_chains_fuse_and_match_batch_norm_over_the_global_batch(rows_per_rank, autocast, device,
+                                                                                 tmp_path):
+    spawn(workers.sync_batch_norm_chains, tmp_path, device, autocast, rows_per_rank)
 
 
 @pytest.mark.parametrize("joins_a_group", [True, False], ids=["world-size-1", "no-process-group"])
@@ -43,8 +49,9 @@ def test_sync_batch_norm_without_peers_is_a_batch_norm_chain(joins_a_group, tmp_
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-def test_lone_sync_batch_norm_runs_its_own_op_and_keeps_eagers_errors(dtype, device, tmp_path):
-    spawn(workers.lone_sync_batch_norm, tmp_path, device, dtype)
+@ROWS
+def test_lone_sync_batch_norm_runs_its_own_op_and_keeps_eagers_errors(rows_per_rank, dtype, device, tmp_path):
+    spawn(workers.lone_sync_batch_norm, tmp_path, device, dtype, rows_per_rank)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -6,7 +6,7 @@ one collective and merged count-weighted with Chan's formula (never E[z^2] - E[z
 per-feature sums of g_hat and g_hat * x_hat with the rank's row count, as SyncBatchNorm's backward does.
 
 The collectives are torch's functional collectives: traced into the compiled graph where the fused
-op's body is traced, run eagerly where it is not. Ranks may hold different batch sizes.
+op's body is traced, run eagerly where it is not. Ranks may hold different batch sizes, or no rows.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -23,15 +22,20 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def moments(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(count, mean, M2) per feature of an (N, F) tensor, in its accumulation dtype: count a (1,) tensor."""
+    """(count, mean, M2) per feature of an (N, F) tensor, in its accumulation dtype: count a (1,) tensor.
+    A rank without rows contributes (0, 0, 0), which the count-weighted merge ignores (eager SyncBatchNorm
+    drops such ranks' statistics)."""
     z = z.to(accumulation_dtype(z.dtype))
-    mean = z.mean(0)
+    mean = z.sum(0) / max(z.shape[0], 1)
     return z.new_full((1,), z.shape[0]), mean, ((z - mean) ** 2).sum(0)
 
 
 def merge_strips(part_mean: Tensor, part_m2: Tensor, rows_per_part: int, n_rows: int) -> tuple[Tensor, Tensor, Tensor]:
     """(count, mean, M2) of the whole batch from its row strips' (mean, M2) (Partials, passes.py)."""
     n_parts = part_mean.shape[0]
+    if n_parts == 0:  # a rank without rows
+        zeros = part_mean.new_zeros(part_mean.shape[1])
+        return part_mean.new_zeros(1), zeros, zeros
     counts = torch.full((n_parts, 1), float(rows_per_part), device=part_mean.device)
     counts[-1] = float(n_rows - (n_parts - 1) * rows_per_part)
     return _chan(counts, part_mean, part_m2)
@@ -53,14 +57,6 @@ def _chan(counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[Tensor, Tensor, T
     mean = (counts * means).sum(0) / count
     m2 = m2s.sum(0) + (counts * (means - mean) ** 2).sum(0)
     return count, mean, m2
-
-
-def check_global_count(count: Tensor, n_features: int) -> None:
-    """Eager SyncBatchNorm's error for a batch of one value per channel over all ranks (a host sync: only
-    where eager would also need the count, i.e. outside traced graphs)."""
-    if not torch.compiler.is_compiling() and not is_fake(count) and int(count.item()) == 1:
-        raise ValueError("Expected more than 1 value per channel when training, got input size "
-                         f"{torch.Size((1, n_features))}")
 
 
 def all_reduce_sums(sum_g: Tensor, sum_g_xhat: Tensor, n_rows: int, group_name: str) -> tuple[Tensor, Tensor, Tensor]:

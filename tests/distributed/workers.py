@@ -187,14 +187,15 @@ def sync_batch_norm_without_peers(rank: int, world_size: int, init_file: str, jo
 
 @rank_main
 def sync_batch_norm_chains(rank: int, world_size: int, init_file: str, device: str = "cpu",
-                           autocast: bool = False) -> None:
+                           autocast: bool = False, rows_per_rank: tuple = ROWS_PER_RANK) -> None:
     """SyncBatchNorm chains compiled with fusepass, against one process's BatchNorm1d model on the global
     batch (what SyncBatchNorm computes): each rank's rows of the output, the running statistics and the
     gradients, by the float64 criterion. On GPUs both run under DDP, eager is native SyncBatchNorm and the
     gradients are DDP's average (the global batch's over the world size). On CPU, where DDP and eager
     SyncBatchNorm refuse it, fusepass runs without DDP (its gradients summed over the ranks here) and
     eager is the single-process fp32 model. Three training steps, then an eval step (plain batch norm
-    with the running statistics). `autocast`: eager and fusepass under bf16 autocast, float64 without."""
+    with the running statistics). `autocast`: eager and fusepass under bf16 autocast, float64 without.
+    `rows_per_rank`: each rank's share of the global batch (a rank may have none)."""
     dev = _init(rank, world_size, init_file, device)
     try:
         torch.manual_seed(0)
@@ -209,14 +210,14 @@ def sync_batch_norm_chains(rank: int, world_size: int, init_file: str, device: s
             eager = copy.deepcopy(model)
         compiled = torch.compile(fused, backend="fusepass")
         counters["fusepass"].clear()
-        first = sum(ROWS_PER_RANK[:rank])
-        rows = slice(first, first + ROWS_PER_RANK[rank])
+        first = sum(rows_per_rank[:rank])
+        rows = slice(first, first + rows_per_rank[rank])
         for step in range(4):
             training = step < 3
             for m in (eager, ref, fused):
                 m.train(training)
             torch.manual_seed(1000 + step)  # the same global batch and upstream gradient on every rank
-            x = make_input(sum(ROWS_PER_RANK), IN, str(dev))
+            x = make_input(sum(rows_per_rank), IN, str(dev))
             projection = torch.randn(x.shape[0], 7, dtype=torch.float64, device=dev)
             eager_rows = rows if on_gpus else slice(None)
             outs = {}
@@ -285,11 +286,12 @@ def _assert_float64_exact(fused: nn.Module, ref: nn.Module, world_size: int, *re
 
 @rank_main
 def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str = "cpu",
-                         dtype: torch.dtype = torch.float32) -> None:
+                         dtype: torch.dtype = torch.float32, rows_per_rank: tuple = ROWS_PER_RANK) -> None:
     """A SyncBatchNorm that heads no chain (its input is the model's): torch.ops.fusepass.sync_batch_norm,
     forward and backward (the input's gradient too), against BatchNorm1d on the global batch; and eager's
     error for input of the wrong dimension. A float64 model (no chain fuses float64) must be as exact
-    as float64 BatchNorm1d: the project's criterion's floor of a few fp32 ulps would pass fp32 math."""
+    as float64 BatchNorm1d: the project's criterion's floor of a few fp32 ulps would pass fp32 math.
+    `rows_per_rank` as for sync_batch_norm_chains."""
     dev = _init(rank, world_size, init_file, device)
     try:
         torch.manual_seed(0)  # the same model on every rank
@@ -298,10 +300,10 @@ def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str
         eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
         fused = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
         compiled = torch.compile(fused, backend="fusepass")
-        first = sum(ROWS_PER_RANK[:rank])
-        rows = slice(first, first + ROWS_PER_RANK[rank])
+        first = sum(rows_per_rank[:rank])
+        rows = slice(first, first + rows_per_rank[rank])
         torch.manual_seed(7)
-        x = make_input(sum(ROWS_PER_RANK), 12, str(dev))
+        x = make_input(sum(rows_per_rank), 12, str(dev))
         projection = torch.randn(x.shape[0], 12, dtype=torch.float64, device=dev)
         inputs, outs = {}, {}
         for name, fn, in_dtype, part in (("eager", eager, dtype, slice(None)),
