@@ -44,9 +44,10 @@ class TwoChainsAndALinear(nn.Module):
 
 def rank_main(worker):
     """A spawned rank's function that, once its checks have passed and its group is destroyed, leaves
-    without the interpreter's teardown: on CI a rank once aborted there ("terminate called without an
-    active exception") after passing, as torch's own threads were torn down with the process. A failing
-    check still raises, and torch.multiprocessing reports it."""
+    without the interpreter's teardown. On CI a rank once died of SIGABRT ("terminate called without an
+    active exception", no Python traceback); teardown, where torch's threads are destroyed with the
+    process, is the likely place, not a proven one. A failing check still raises, and
+    torch.multiprocessing reports it."""
 
     @functools.wraps(worker)
     def run(*args):
