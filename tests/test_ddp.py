@@ -55,5 +55,10 @@ def test_lone_sync_batch_norm_runs_its_own_op_and_keeps_eagers_errors(rows_per_r
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_lone_sync_batch_norm_of_n_d_input_normalizes_each_channel_over_batch_and_space(device, tmp_path):
+    spawn(workers.lone_sync_batch_norm, tmp_path, device, torch.float32, (20, 13), (5, 6))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_one_collective_per_sync_batch_norm_chain_each_way(device, tmp_path):
     spawn(workers.collective_counts, tmp_path, device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 import sys
 from contextlib import nullcontext
@@ -287,16 +288,19 @@ def _assert_float64_exact(fused: nn.Module, ref: nn.Module, world_size: int, *re
 
 @rank_main
 def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str = "cpu",
-                         dtype: torch.dtype = torch.float32, rows_per_rank: tuple = ROWS_PER_RANK) -> None:
+                         dtype: torch.dtype = torch.float32, rows_per_rank: tuple = ROWS_PER_RANK,
+                         spatial: tuple = ()) -> None:
     """A SyncBatchNorm that heads no chain (its input is the model's): torch.ops.fusepass.sync_batch_norm,
     forward and backward (the input's gradient too), against BatchNorm1d on the global batch; and eager's
     error for input of the wrong dimension. A float64 model (no chain fuses float64) must be as exact
     as float64 BatchNorm1d: the project's criterion's floor of a few fp32 ulps would pass fp32 math.
-    `rows_per_rank` as for sync_batch_norm_chains."""
+    `rows_per_rank` as for sync_batch_norm_chains. `spatial` (H, W): BatchNorm2d on (N, 12, H, W) input,
+    statistics per channel over the batch and the space."""
     dev = _init(rank, world_size, init_file, device)
     try:
         torch.manual_seed(0)  # the same model on every rank
-        model = nn.Sequential(nn.BatchNorm1d(12), nn.Tanh()).to(dev, dtype)
+        norm = nn.BatchNorm2d(12) if spatial else nn.BatchNorm1d(12)
+        model = nn.Sequential(norm, nn.Tanh()).to(dev, dtype)
         randomize_batch_norm(model[0])
         eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
         fused = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
@@ -304,8 +308,8 @@ def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str
         first = sum(rows_per_rank[:rank])
         rows = slice(first, first + rows_per_rank[rank])
         torch.manual_seed(7)
-        x = make_input(sum(rows_per_rank), 12, str(dev))
-        projection = torch.randn(x.shape[0], 12, dtype=torch.float64, device=dev)
+        x = make_input(sum(rows_per_rank), 12 * math.prod(spatial), str(dev)).view(-1, 12, *spatial)
+        projection = torch.randn(x.shape, dtype=torch.float64, device=dev)
         inputs, outs = {}, {}
         for name, fn, in_dtype, part in (("eager", eager, dtype, slice(None)),
                                          ("ref", ref, torch.float64, slice(None)), ("fused", compiled, dtype, rows)):
@@ -331,7 +335,8 @@ def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str
         try:
             compiled(torch.randn(5, device=dev))
         except ValueError as exc:
-            assert "expected at least 2D input (got 1D input)" in str(exc), exc  # eager's message
+            # eager's message: SyncBatchNorm's own check, any BatchNorm*d it replaced
+            assert "expected at least 2D input (got 1D input)" in str(exc), exc
         else:
             raise AssertionError("a 1-D input must raise eager's ValueError")
     finally:
