@@ -42,6 +42,10 @@ def test_sync_batch_norm_chains_fuse_and_match_batch_norm_over_the_global_batch(
     spawn(workers.sync_batch_norm_chains, tmp_path, device, autocast, rows_per_rank)
 
 
+def test_sync_batch_norm_synchronizes_within_its_process_group(tmp_path):
+    spawn(workers.sync_batch_norm_in_subgroups, tmp_path, world_size=4)
+
+
 @pytest.mark.parametrize("joins_a_group", [True, False], ids=["world-size-1", "no-process-group"])
 def test_sync_batch_norm_without_peers_is_a_batch_norm_chain(joins_a_group, tmp_path):
     spawn(workers.sync_batch_norm_without_peers, tmp_path, joins_a_group, world_size=1)

@@ -156,6 +156,41 @@ ROWS_PER_RANK = (20, 13)  # uneven: ranks may hold different batch sizes
 
 
 @rank_main
+def sync_batch_norm_in_subgroups(rank: int, world_size: int, init_file: str) -> None:
+    """convert_sync_batchnorm(process_group=...): four ranks in two groups of two, each group with its own
+    global batch. Each rank's SyncBatchNorm chains synchronize within its group only: outputs, running
+    statistics and gradients (summed over the group) against one process's float64 and fp32 models on
+    that group's batch."""
+    _init(rank, world_size, init_file)
+    try:
+        groups = [dist.new_group(list(range(first, first + 2))) for first in range(0, world_size, 2)]
+        mine, position = groups[rank // 2], rank % 2
+        torch.manual_seed(0)
+        model = SyncChains()
+        eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+        fused = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model), process_group=mine)
+        compiled = torch.compile(fused, backend="fusepass")
+        counters["fusepass"].clear()
+        torch.manual_seed(10 + rank // 2)  # the group's batch and upstream gradient
+        x = make_input(sum(ROWS_PER_RANK), IN)
+        projection = torch.randn(x.shape[0], 7, dtype=torch.float64)
+        first = sum(ROWS_PER_RANK[:position])
+        rows = slice(first, first + ROWS_PER_RANK[position])
+        outs = {}
+        for name, fn, dtype, part in (("eager", eager, torch.float32, slice(None)),
+                                      ("ref", ref, torch.float64, slice(None)), ("fused", compiled, torch.float32, rows)):
+            outs[name] = fn(x[part].to(dtype))
+            (outs[name].double() * projection[part]).sum().backward()
+        assert_no_further_from_float64("output", outs["fused"], outs["eager"][rows], outs["ref"][rows])
+        for name, p_fused in fused.named_parameters():
+            dist.all_reduce(p_fused.grad, group=mine)
+        _compare_synced_state(fused, eager, ref, summed=False, world_size=1)
+        assert_fused(rewrites=2, graphs=1, linears=1)
+    finally:
+        dist.destroy_process_group()
+
+
+@rank_main
 def sync_batch_norm_without_peers(rank: int, world_size: int, init_file: str, joins_a_group: bool) -> None:
     """SyncBatchNorm chains where SyncBatchNorm is plain batch norm: in a group of one rank, or with no
     process group at all. fusepass fuses them as batch-norm chains, with no collective. Eager is eager
