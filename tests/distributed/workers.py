@@ -8,6 +8,7 @@ import math
 import os
 import sys
 from contextlib import nullcontext
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -182,9 +183,7 @@ def sync_batch_norm_in_subgroups(rank: int, world_size: int, init_file: str) -> 
             outs[name] = fn(x[part].to(dtype))
             (outs[name].double() * projection[part]).sum().backward()
         assert_no_further_from_float64("output", outs["fused"], outs["eager"][rows], outs["ref"][rows])
-        for name, p_fused in fused.named_parameters():
-            dist.all_reduce(p_fused.grad, group=mine)
-        _compare_synced_state(fused, eager, ref, summed=False, world_size=1)
+        _compare_synced_state(fused, eager, ref, summed=True, world_size=2, group=mine)
         assert_fused(rewrites=2, graphs=1, linears=1)
     finally:
         dist.destroy_process_group()
@@ -282,12 +281,14 @@ def sync_batch_norm_chains(rank: int, world_size: int, init_file: str, device: s
         dist.destroy_process_group()
 
 
-def _compare_synced_state(fused: nn.Module, eager: nn.Module, ref: nn.Module, summed: bool, world_size: int) -> None:
-    """Gradients against the global batch's: summed over the ranks here, or DDP's averages scaled back."""
+def _compare_synced_state(fused: nn.Module, eager: nn.Module, ref: nn.Module, summed: bool, world_size: int,
+                          group: Optional[dist.ProcessGroup] = None) -> None:
+    """Gradients against the global batch's: summed over the ranks of `group` here, or DDP's averages
+    scaled back."""
     for (name, p_fused), (_, p_eager), (_, p_ref) in zip(fused.named_parameters(), eager.named_parameters(),
                                                          ref.named_parameters()):
         if summed:
-            dist.all_reduce(p_fused.grad)
+            dist.all_reduce(p_fused.grad, group=group)
             fused_grad, eager_grad = p_fused.grad, p_eager.grad
         else:
             fused_grad, eager_grad = p_fused.grad * world_size, p_eager.grad * world_size
