@@ -81,8 +81,7 @@ def _op(input: Tensor, running_mean: Optional[Tensor], running_var: Optional[Ten
     the input's accumulation dtype (fp32, or float64 for a float64 input)."""
     bn = BatchNorm(weight, bias, running_mean, running_var, True, momentum, eps, group_name)
     rows = _channels_last_rows(input)
-    count, mean, m2 = sync.merge_across_ranks(*sync.moments(rows), group_name)
-    var = m2 / count
+    count, mean, var = sync.merge_across_ranks(*sync.moments(rows), group_name)
     invstd = 1.0 / torch.sqrt(var + eps)
     out = affine((input.to(mean.dtype) - per_channel(mean, input)) * per_channel(invstd, input), bn)
     new_mean, new_var = updated_running_stats(bn, count, mean, var)

@@ -476,9 +476,8 @@ def synced_statistics(stats: Statistics, parts: Partials, n_rows: int) -> None:
     rank's (count, mean, M2), one all-gather merges the ranks' (sync.py); (F,)-sized torch ops, which
     Inductor fuses where the op's body is traced."""
     bn = stats.batch_norm
-    count, mean, m2 = sync.merge_across_ranks(*sync.merge_strips(parts.mean, parts.m2, parts.rows_per_part, n_rows),
-                                              bn.group_name)
-    var = m2 / count
+    count, mean, var = sync.merge_across_ranks(*sync.merge_strips(parts.mean, parts.m2, parts.rows_per_part, n_rows),
+                                               bn.group_name)
     stats.mean.copy_(mean)
     stats.invstd.copy_(1.0 / torch.sqrt(var + bn.eps))
     if bn.updates_running_stats:

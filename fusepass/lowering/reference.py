@@ -30,8 +30,7 @@ def reference(args: ChainArgs) -> ChainOutputs:
     z = y.float() * args.scale_before.factor()
     n = z.shape[0]
     if bn.synced:
-        count, mean, m2 = sync.merge_across_ranks(*sync.moments(z), bn.group_name)
-        var, n = m2 / count, count
+        n, mean, var = sync.merge_across_ranks(*sync.moments(z), bn.group_name)
     elif bn.training:
         var, mean = torch.var_mean(z, dim=0, correction=0)
     else:

@@ -42,13 +42,15 @@ def merge_strips(part_mean: Tensor, part_m2: Tensor, rows_per_part: int, n_rows:
 
 
 def merge_across_ranks(count: Tensor, mean: Tensor, m2: Tensor, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
-    """Every rank's (count, mean, M2) merged: one all-gather of a (2F + 1,) vector per rank."""
+    """Every rank's (count, mean, M2) merged into the global batch's (count, mean, biased variance): one
+    all-gather of a (2F + 1,) vector per rank."""
     n_features = mean.shape[0]
     dtype = accumulation_dtype(mean.dtype)
     local = torch.cat([count.to(dtype), mean.to(dtype), m2.to(dtype)])
     gathered = funcol.wait_tensor(funcol.all_gather_tensor(local, 0, group_name)).view(-1, 2 * n_features + 1)
     counts, means, m2s = gathered[:, :1], gathered[:, 1:n_features + 1], gathered[:, n_features + 1:]
-    return _chan(counts, means, m2s)
+    count, mean, m2 = _chan(counts, means, m2s)
+    return count, mean, m2 / count
 
 
 def _chan(counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[Tensor, Tensor, Tensor]:
