@@ -273,7 +273,7 @@ def _normalize_softmax_kernel(
         u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols,
                          n_parts, rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
                          SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING,
-                     TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
+                         TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
         u = tl.where(col_mask[None, :], u, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(u, axis=1))
         # While a row has seen only -inf, subtract 0 instead of -inf so that no -inf - -inf NaN appears
@@ -290,7 +290,7 @@ def _normalize_softmax_kernel(
         u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, 1, n_rows, n_cols,
                          n_parts, rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
                          SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING,
-                     TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
+                         TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
         u = tl.where(col_mask[None, :], u, float("-inf"))
         p = tl.math.div_rn(exp_accurate(u - shift[:, None], ACCURATE_EXP), row_sum[:, None])
         tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
