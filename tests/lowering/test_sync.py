@@ -7,7 +7,8 @@ import torch
 from fusepass.lowering import sync
 
 
-@pytest.mark.parametrize("n_rows, rows_per_part", [(37, 8), (32, 8), (5, 16)], ids=["uneven-last-strip", "even", "one-strip"])
+@pytest.mark.parametrize("n_rows, rows_per_part", [(37, 8), (32, 8), (5, 16)],
+                         ids=["uneven-last-strip", "even", "one-strip"])
 def test_strips_merge_to_the_batch_statistics(n_rows, rows_per_part):
     z = torch.randn(n_rows, 19, dtype=torch.float64) * 3 + 5
     strips = z.split(rows_per_part)
