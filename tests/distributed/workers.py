@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import functools
 import math
 import os
 import sys
+import traceback
 from contextlib import nullcontext
 from typing import Optional
 
@@ -44,21 +45,29 @@ class TwoChainsAndALinear(nn.Module):
         return self.l3(x)
 
 
-def rank_main(worker):
-    """A spawned rank's function that, once its checks have passed and its group is destroyed, leaves
-    without the interpreter's teardown. On CI a rank once died of SIGABRT ("terminate called without an
-    active exception", no Python traceback); teardown, where torch's threads are destroyed with the
-    process, is the likely place, not a proven one. A failing check still raises, and
-    torch.multiprocessing reports it."""
+@contextlib.contextmanager
+def rank_group(rank: int, world_size: int, init_file: str, device: str = "cpu", join: bool = True):
+    """A spawned rank's life: joins the group (gloo on CPU, NCCL on one GPU per rank; `join=False`: no
+    group) and yields the rank's device. The rank then leaves with os._exit, from inside the worker,
+    before anything it made is freed: freeing a DDP reducer destroys the gloo process group, whose
+    destructor joins a worker thread that waits for the GIL the joining thread holds (a deadlock seen
+    here with py-spy: ~ProcessGroupGloo in std::thread::join, its thread in gil_scoped_acquire). A
+    failing check prints its traceback and exits 1, which torch.multiprocessing reports."""
+    dev = _init(rank, world_size, init_file, device) if join else torch.device(device)
+    try:
+        yield dev
+        if join:
+            dist.barrier()  # every rank's collectives are done before any leaves
+    except BaseException:
+        traceback.print_exc()
+        _leave(1)
+    _leave(0)
 
-    @functools.wraps(worker)
-    def run(*args):
-        worker(*args)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
-    return run
+def _leave(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _init(rank: int, world_size: int, init_file: str, device: str = "cpu") -> torch.device:
@@ -74,13 +83,11 @@ def _init(rank: int, world_size: int, init_file: str, device: str = "cpu") -> to
     return torch.device("cpu")
 
 
-@rank_main
 def ddp_chains(rank: int, world_size: int, init_file: str, optimize_ddp: str, device: str = "cpu") -> None:
     """DDP of TwoChainsAndALinear, eager / fusepass / float64, three training steps on each rank's own
     batch (33 rows, odd): outputs, gradients (averaged by DDP) and buffers by the float64 criterion, and
     fusepass's counts."""
-    dev = _init(rank, world_size, init_file, device)
-    try:
+    with rank_group(rank, world_size, init_file, device) as dev:
         torch._dynamo.config.optimize_ddp = optimize_ddp
         torch.manual_seed(0)  # the same model on every rank (DDP also broadcasts rank 0's)
         model = TwoChainsAndALinear().to(dev)
@@ -108,16 +115,12 @@ def ddp_chains(rank: int, world_size: int, init_file: str, optimize_ddp: str, de
         if compiled_autograd and dev.type == "cuda":
             graphs = None
         assert_fused(rewrites=2, graphs=graphs, linears=1)
-    finally:
-        dist.destroy_process_group()
 
 
-@rank_main
 def ddp_cut_without_grouping(rank: int, world_size: int, init_file: str) -> None:
     """The control for ddp_chains: a backend of another name, under DDPOptimizer, gets the second chain
     cut between its scale and its batch norm (so ddp_chains tests what it says)."""
-    _init(rank, world_size, init_file)
-    try:
+    with rank_group(rank, world_size, init_file):
         pieces = []
 
         def record(gm, example_inputs):
@@ -131,8 +134,6 @@ def ddp_cut_without_grouping(rank: int, world_size: int, init_file: str) -> None
         assert len(pieces) == 2, pieces
         assert pieces[0][-2:] == ["linear", "mul"], pieces  # the second chain's linear and scale ...
         assert pieces[1][:2] == ["batch_norm", "relu"], pieces  # ... cut off from its batch norm
-    finally:
-        dist.destroy_process_group()
 
 
 class SyncChains(nn.Module):
@@ -156,14 +157,12 @@ class SyncChains(nn.Module):
 ROWS_PER_RANK = (20, 13)  # uneven: ranks may hold different batch sizes
 
 
-@rank_main
 def sync_batch_norm_in_subgroups(rank: int, world_size: int, init_file: str) -> None:
     """convert_sync_batchnorm(process_group=...): four ranks in two groups of two, each group with its own
     global batch. Each rank's SyncBatchNorm chains synchronize within its group only: outputs, running
     statistics and gradients (summed over the group) against one process's float64 and fp32 models on
     that group's batch."""
-    _init(rank, world_size, init_file)
-    try:
+    with rank_group(rank, world_size, init_file):
         groups = [dist.new_group(list(range(first, first + 2))) for first in range(0, world_size, 2)]
         mine, position = groups[rank // 2], rank % 2
         torch.manual_seed(0)
@@ -186,20 +185,15 @@ def sync_batch_norm_in_subgroups(rank: int, world_size: int, init_file: str) -> 
         assert_no_further_from_float64("output", outs["fused"], outs["eager"][rows], outs["ref"][rows])
         _compare_synced_state(fused, eager, ref, summed=True, world_size=2, group=mine)
         assert_fused(rewrites=2, graphs=1, linears=1)
-    finally:
-        dist.destroy_process_group()
 
 
-@rank_main
 def sync_batch_norm_without_peers(rank: int, world_size: int, init_file: str, joins_a_group: bool) -> None:
     """SyncBatchNorm chains where SyncBatchNorm is plain batch norm: in a group of one rank, or with no
     process group at all. fusepass fuses them as batch-norm chains, with no collective. Eager is eager
     SyncBatchNorm without a group; in a CPU group of one, where eager SyncBatchNorm refuses CPU input
     before it looks at the world size, it is the model before convert_sync_batchnorm (and so is the
     float64 model)."""
-    if joins_a_group:
-        _init(rank, world_size, init_file)
-    try:
+    with rank_group(rank, world_size, init_file, join=joins_a_group):
         assert dist.is_initialized() == joins_a_group
         torch.manual_seed(0)
         plain = SyncChains()
@@ -217,12 +211,8 @@ def sync_batch_norm_without_peers(rank: int, world_size: int, init_file: str, jo
                 trio.step(make_input(sum(ROWS_PER_RANK), IN))
         trio.finish()
         assert_fused(rewrites=4, graphs=2, linears=2)
-    finally:
-        if joins_a_group:
-            dist.destroy_process_group()
 
 
-@rank_main
 def sync_batch_norm_chains(rank: int, world_size: int, init_file: str, device: str = "cpu",
                            autocast: bool = False, rows_per_rank: tuple = ROWS_PER_RANK) -> None:
     """SyncBatchNorm chains compiled with fusepass, against one process's BatchNorm1d model on the global
@@ -233,8 +223,7 @@ def sync_batch_norm_chains(rank: int, world_size: int, init_file: str, device: s
     eager is the single-process fp32 model. Three training steps, then an eval step (plain batch norm
     with the running statistics). `autocast`: eager and fusepass under bf16 autocast, float64 without.
     `rows_per_rank`: each rank's share of the global batch (a rank may have none)."""
-    dev = _init(rank, world_size, init_file, device)
-    try:
+    with rank_group(rank, world_size, init_file, device) as dev:
         torch.manual_seed(0)
         model = SyncChains().to(dev)
         ref = copy.deepcopy(model).double()  # single process, global batch
@@ -278,8 +267,6 @@ def sync_batch_norm_chains(rank: int, world_size: int, init_file: str, device: s
         # two chains in a training graph and in an eval graph; the last Linear on fusepass's linear op in
         # fp32 only (under autocast a bare linear is Inductor's, options.py)
         assert_fused(rewrites=4, graphs=2, linears=0 if autocast else 2)
-    finally:
-        dist.destroy_process_group()
 
 
 FLOAT64_EXACT = 1e-12  # relative: float64 roundoff, far below fp32's 6e-8
@@ -316,7 +303,6 @@ def _compare_synced_state(fused: nn.Module, eager: nn.Module, ref: nn.Module, su
         m.zero_grad(set_to_none=True)
 
 
-@rank_main
 def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str = "cpu",
                          dtype: torch.dtype = torch.float32, rows_per_rank: tuple = ROWS_PER_RANK,
                          spatial: tuple = ()) -> None:
@@ -326,8 +312,7 @@ def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str
     as float64 BatchNorm1d: the project's criterion's floor of a few fp32 ulps would pass fp32 math.
     `rows_per_rank` as for sync_batch_norm_chains. `spatial` (H, W): BatchNorm2d on (N, 12, H, W) input,
     statistics per channel over the batch and the space."""
-    dev = _init(rank, world_size, init_file, device)
-    try:
+    with rank_group(rank, world_size, init_file, device) as dev:
         torch.manual_seed(0)  # the same model on every rank
         norm = nn.BatchNorm2d(12) if spatial else nn.BatchNorm1d(12)
         model = nn.Sequential(norm, nn.Tanh()).to(dev, dtype)
@@ -365,17 +350,13 @@ def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str
             assert "expected at least 2D input (got 1D input)" in str(exc), exc
         else:
             raise AssertionError("a 1-D input must raise eager's ValueError")
-    finally:
-        dist.destroy_process_group()
 
 
-@rank_main
 def collective_counts(rank: int, world_size: int, init_file: str, device: str = "cpu") -> None:
     """One training step of SyncChains (two SyncBatchNorm chains, fused), profiled: exactly one
     all-gather per chain in the forward and one all-reduce per chain in the backward, counted as the
     functional collectives called and, on GPUs, as the NCCL kernels launched."""
-    dev = _init(rank, world_size, init_file, device)
-    try:
+    with rank_group(rank, world_size, init_file, device) as dev:
         torch.manual_seed(0)
         compiled = torch.compile(nn.SyncBatchNorm.convert_sync_batchnorm(SyncChains().to(dev)), backend="fusepass")
         x = make_input(ROWS_PER_RANK[rank], IN, str(dev))
@@ -399,5 +380,3 @@ def collective_counts(rank: int, world_size: int, init_file: str, device: str = 
             reduces = sum(e.count for e in kernels if "AllReduce" in e.key)
             assert (gathers, reduces, sum(e.count for e in kernels)) == (2, 2, 4), [(e.key, e.count) for e in kernels]
         assert counters["fusepass"]["rewrites"] == 2
-    finally:
-        dist.destroy_process_group()
