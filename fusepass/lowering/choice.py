@@ -16,14 +16,13 @@ import torch
 from torch import Tensor
 
 from fusepass.lowering import gemm, tuning
-from fusepass.lowering.implementations import on_cublas, on_triton_gemm
+from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.launch import real_tensors
 from fusepass.lowering.schema import FLAT_NAMES, ChainArgs, ChainOutputs, flatten, unflatten
 from fusepass.lowering.tuning import TUNER, capturing
 
 OP_NAME = "fusepass::linear_scale_batch_norm"
 TRITON_GEMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-Implementation = Callable[[ChainArgs], ChainOutputs]
 
 
 def matmul_precision(dtype: torch.dtype, fp32_matmul: str) -> str:
@@ -51,38 +50,35 @@ def gemm_option(x: Tensor, weight: Tensor, gemm_option: str) -> str:
 
 def implementations(args: ChainArgs, precision: str, traced: bool = False) -> dict[str, Implementation]:
     """Every way to run the op for these arguments that the tuner's search times (tuning.search: the
-    short search takes each precision's gemm.shortlist), by name, the default first. Plain fp32 FMA ("ieee")
-    is cuBLAS's alone, whatever the gemm option says, and so are problems too large for the GEMM
-    kernel's 32-bit offsets. TMA tile configs are offered where the operands allow descriptors.
+    short search takes each precision's gemm.shortlist), by name, the default first; only those that can
+    launch for these arguments (Implementation.unlaunchable). Plain fp32 FMA ("ieee") is cuBLAS's alone,
+    whatever the gemm option says. TMA tile configs are offered where the operands allow descriptors.
     `traced`: only those that can run inside Inductor's graph (may be none; see cublas_traceable)."""
     x, weight = args.linear.x, args.linear.weight
     choice = gemm_choice(args)
     candidates = {}
-    if choice in ("auto", "triton") and precision != "ieee" and fits_int32_offsets(x, weight.shape[0]):
+    if choice in ("auto", "triton") and precision != "ieee":
         precisions = [precision] + ([pre_split_precision(x, weight)] if precision == "tf32x3" else [])
         # Traced, no TMA configs: torch does not capture TMA descriptors when it traces a wrap_triton
         # launch outside Dynamo ("not yet supported", torch 2.13's triton_kernel_wrap.py), and the
         # operands' addresses (so their alignment) are not known yet.
-        tma = not traced and gemm.tma_usable(x, weight)
-        candidates.update(triton_candidates(precisions, x, weight, tma, on_triton_gemm))
+        configs = triton_configs(precisions, x, weight.shape[0], tma=not traced)
+        candidates.update({impl.name: impl for impl in (Implementation(p, c) for p, c in configs)})
     if (choice in ("auto", "cublas") or not candidates) and (not traced or cublas_traceable(precision)):
-        candidates["cublas"] = functools.partial(on_cublas, precision=precision)
-    return candidates
+        candidates["cublas"] = Implementation(precision)
+    return {name: impl for name, impl in candidates.items() if impl.unlaunchable(args) is None}
 
 
-def triton_candidates(precisions: list[str], x: Tensor, weight: Tensor, tma: bool,
-                      run: Callable) -> dict[str, Callable]:
-    """`run` bound to each precision and tile config that the tuner's search times (gemm.shortlist
-    unless the search is full), by name; TMA configs only where `tma`."""
-    candidates = {}
+def triton_configs(precisions: list[str], x: Tensor, n_features: int, tma: bool) -> list[tuple[str, gemm.GemmConfig]]:
+    """(precision, tile config) for each that the tuner's search times (gemm.shortlist unless the search
+    is full); TMA configs only where `tma` (their operands are checked per call, limits.py)."""
+    chosen = []
     for p in precisions:
         configs = gemm.gemm_configs(p, x.dtype)
         if tuning.search() != "full":
-            configs = gemm.shortlist(configs, x.shape[0], weight.shape[0], x.device)
-        for config in configs:
-            if tma or not config.tma:
-                candidates[f"triton {p} {config.describe()}"] = functools.partial(run, precision=p, config=config)
-    return candidates
+            configs = gemm.shortlist(configs, x.shape[0], n_features, x.device)
+        chosen += [(p, config) for config in configs if tma or not config.tma]
+    return chosen
 
 
 def pre_split_precision(x: Tensor, weight: Tensor) -> str:
@@ -95,12 +91,6 @@ def cublas_traceable(precision: str) -> bool:
     """A traced F.linear becomes Inductor's matmul, which follows torch's global TF32 flag when it runs:
     right only where that flag already gives the precision asked for."""
     return precision == "native" or torch.backends.cuda.matmul.allow_tf32 == (precision == "tf32")
-
-
-def fits_int32_offsets(x: Tensor, n_features: int) -> bool:
-    """The GEMM kernel computes element offsets in int32."""
-    limit = 2**31 - 1
-    return x.numel() <= limit and x.shape[0] * n_features <= limit and x.shape[1] * n_features <= limit
 
 
 class ChoiceKey(NamedTuple):

@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fusepass.lowering import pointwise
+from fusepass.lowering import limits, pointwise
 from fusepass.lowering.launch import launch, present_or_placeholder, unused_pointer
 from fusepass.lowering.pointwise import apply_tail
 from fusepass.lowering.schema import BatchNorm, Linear, Scale, Tail
@@ -73,7 +73,7 @@ def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
     """Candidate tile shapes, from one place, best first (measured on an H200 with tools/tune_gemm.py;
     the first is the default when tuning is off). Three-pass fp32 keeps a second accumulator and the
     split halves in registers, so it gets 128 x 128 tiles; small 64-row tiles are for small problems.
-    The first config is also offered with TMA loads (used only where tma_usable says so)."""
+    The first config is also offered with TMA loads (used only where limits.tma_descriptors allows)."""
     if precision == "tf32x3":
         configs = [GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(64, 64, 64, 8, 4, 3)]
     elif precision in PRE_SPLIT:
@@ -104,13 +104,16 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def tma_usable(*tensors: Tensor) -> bool:
-    """TMA descriptors need Hopper or newer (or the interpreter), a contiguous last dimension, and
-    16-byte aligned base and row stride."""
-    if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
-        return False
-    return all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-               for t in tensors)
+def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) -> Optional[str]:
+    """Why run_gemm cannot run x @ weight^T in this precision and config (limits.py), or None."""
+    m, k = x.shape
+    split = {"split_x": x, "split_w": weight}.get(precision)
+    return limits.first(
+        limits.int32_offsets(x=x, weight=weight),
+        limits.int32_buffer("the linear output", m, weight.shape[0]),
+        limits.column_grid(k) if split is not None else None,
+        limits.tma_descriptors(x, weight) if config.tma else None,
+    )
 
 
 # --------------------------------------------------------------------------- kernels
@@ -374,8 +377,9 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
     if config.tma:
         lo_tile = [config.block_m if precision == "split_x" else config.block_n, config.block_k]
         lo = weight if lo is None else lo  # a descriptor needs an operand-shaped tensor; unread
-        if not tma_usable(x, weight, lo):
-            raise ValueError("run_gemm: these operands cannot be loaded through TMA descriptors")
+        why = limits.tma_descriptors(x, weight, lo)
+        if why:
+            raise ValueError(f"run_gemm: {why}")
         operands = (_descriptor(x, config.block_m, config.block_k), _descriptor(weight, config.block_n, config.block_k),
                     _descriptor(lo, *lo_tile))
     bn = eval_norm.batch_norm if eval_norm else None

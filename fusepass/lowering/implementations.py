@@ -4,21 +4,52 @@
   eval-mode normalization in its epilogue, then the passes after it (passes.py) where still needed.
 - `on_cublas`: cuBLAS's GEMM (F.linear, as eager), then every pass after it.
 
-Both take arguments the op has validated (ChainArgs.validate, at the op's entry points).
+Both take arguments the op has validated (ChainArgs.validate, at the op's entry points). `Implementation`
+is one of them bound to a precision (and a tile config), with what its kernels need of a call
+(`unlaunchable`, limits.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusepass.lowering import gemm
+from fusepass.lowering import gemm, limits
 from fusepass.lowering.launch import tracing
 from fusepass.lowering.passes import Partials, Statistics, normalize_linear_output, normalize_training, output_pass
-from fusepass.lowering.schema import ChainArgs, ChainOutputs
+from fusepass.lowering.schema import ChainArgs, ChainOutputs, flatten
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """The Triton GEMM in `precision` with tile `config`, or cuBLAS (config None), and the passes."""
+    precision: str
+    config: Optional[gemm.GemmConfig] = None
+
+    @property
+    def name(self) -> str:
+        return f"triton {self.precision} {self.config.describe()}" if self.config else "cublas"
+
+    def __call__(self, args: ChainArgs) -> ChainOutputs:
+        if self.config is None:
+            return on_cublas(args, self.precision)
+        return on_triton_gemm(args, self.precision, self.config)
+
+    def unlaunchable(self, args: ChainArgs) -> Optional[str]:
+        """Why this call cannot run on these kernels (limits.py), or None."""
+        x, n_features = args.linear.x, args.n_features
+        return limits.first(
+            limits.off_device(x.device, [a for a in flatten(args) if isinstance(a, Tensor)]),
+            limits.some_rows(x.shape[0]),
+            limits.int32_buffer("the output", x.shape[0], n_features),
+            limits.column_grid(n_features),
+            gemm.unlaunchable(x, args.linear.weight, self.precision, self.config) if self.config else None,
+        )
 
 
 def on_triton_gemm(args: ChainArgs, precision: str, config: gemm.GemmConfig) -> ChainOutputs:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -23,16 +24,44 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from fusepass.lowering import gemm, tuning
-from fusepass.lowering.choice import (cublas_traceable, fits_int32_offsets, gemm_option, matmul_precision,
-                                      pre_split_precision, remember,
-                                      triton_candidates, tune)
+from fusepass.lowering import gemm, limits, tuning
+from fusepass.lowering.choice import (cublas_traceable, gemm_option, matmul_precision, pre_split_precision,
+                                      remember, triton_configs, tune)
 from fusepass.lowering.implementations import cublas_precision
 from fusepass.lowering.launch import OPAQUE_ENV
 from fusepass.lowering.schema import Kernel, Linear
 
 OP_NAME = "fusepass::linear"
-Runner = Callable[[Tensor, Tensor, Optional[Tensor]], Tensor]
+
+
+@dataclass(frozen=True)
+class LinearImplementation:
+    """The Triton GEMM in `precision` with tile `config` (on K-major copies of the operands where
+    `k_major_copies`), or cuBLAS at that precision (config None)."""
+    precision: str
+    config: Optional[gemm.GemmConfig] = None
+    k_major_copies: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.config is None:
+            return "cublas"
+        copies = " on K-major copies" if self.k_major_copies else ""
+        return f"triton {self.precision} {self.config.describe()}{copies}"
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        if self.config is None:
+            return _on_cublas(x, weight, bias, self.precision)
+        if self.k_major_copies:
+            x, weight = _k_major_copy(x), _k_major_copy(weight)
+        return gemm.run_gemm(Linear(x, weight, bias), self.precision, self.config).y
+
+    def unlaunchable(self, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[str]:
+        """Why this call cannot run on the Triton GEMM (limits.py), or None; cuBLAS always runs."""
+        if self.config is None:
+            return None
+        return limits.first(limits.off_device(x.device, (weight, bias)),
+                            gemm.unlaunchable(x, weight, self.precision, self.config))
 
 
 def _traced_body(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_fp32_matmul: str,
@@ -46,7 +75,17 @@ def _traced_body(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_fp32_
             run = choose(x, weight, bias, kernel, traced=traced)
     if run is None:
         return torch.ops.fusepass.linear_opaque(x, weight, bias, kernel_fp32_matmul, kernel_gemm)
-    return run(x, weight, bias)
+    return _launch_checked(run, x, weight, bias)
+
+
+def _launch_checked(run: LinearImplementation, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """`run` where its kernels can launch for this call (checked on every call), else cuBLAS at its
+    precision (limits.py)."""
+    why = run.unlaunchable(x, weight, bias)
+    if why is None:
+        return run(x, weight, bias)
+    limits.record_unlaunchable(OP_NAME, why)
+    return LinearImplementation(run.precision)(x, weight, bias)
 
 
 linear = torch.library.triton_op(OP_NAME, _traced_body, mutates_args=())
@@ -66,7 +105,7 @@ def _opaque_cuda(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_fp32_
                  kernel_gemm: str) -> Tensor:
     kernel = Kernel(kernel_fp32_matmul, kernel_gemm)
     _validate(x, weight, bias, kernel)
-    return choose(x, weight, bias, kernel)(x, weight, bias)
+    return _launch_checked(choose(x, weight, bias, kernel), x, weight, bias)
 
 
 @_opaque.register_fake
@@ -136,10 +175,11 @@ class LinearKey(NamedTuple):
                 f"bias={self.has_bias} precision={self.precision} gemm={self.gemm}" + (" traced" if self.traced else ""))
 
 
-_CHOSEN: dict[LinearKey, Runner] = {}
+_CHOSEN: dict[LinearKey, LinearImplementation] = {}
 
 
-def choose(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: Kernel, traced: bool = False) -> Runner:
+def choose(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: Kernel,
+           traced: bool = False) -> Optional[LinearImplementation]:
     """The fastest implementation for this problem: from the per-process table, else the tuner."""
     precision = matmul_precision(x.dtype, kernel.fp32_matmul)
     gemm_choice = gemm_option(x, weight, kernel.gemm)
@@ -149,46 +189,42 @@ def choose(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: Kernel, tr
     if chosen is not None:
         return chosen
     candidates = implementations(x, weight, precision, gemm_choice, traced)
+    if not candidates:  # traced, none runs inside Inductor's graph: the opaque op chooses when it runs
+        return None
     inputs = functools.cache(lambda: _stand_ins(x, weight, bias)) if traced else (lambda: (x, weight, bias))
     name = tune(key.describe(), x.device, {name: _timed(run, inputs) for name, run in candidates.items()}, traced)
     remember(_CHOSEN, key, candidates[name], x.device)
     return candidates[name]
 
 
-def implementations(x: Tensor, weight: Tensor, precision: str, gemm_choice: str, traced: bool) -> dict[str, Runner]:
+def implementations(x: Tensor, weight: Tensor, precision: str, gemm_choice: str,
+                    traced: bool) -> dict[str, LinearImplementation]:
     """Every way to run this linear that the tuner's search times (tuning.search), the default first: the
-    Triton GEMM in the call's precision (in fp32 3xTF32 also with the smaller operand split in memory)
-    and cuBLAS at the same precision where it can run traced. Never empty: cuBLAS untraced always runs.
+    Triton GEMM in the call's precision (in fp32 3xTF32 also with the smaller operand split in memory),
+    where it can launch for these operands (limits.py), and cuBLAS at the same precision where it can
+    run traced. Never empty: cuBLAS untraced always runs.
 
     Operands whose K is not contiguous (a backward's transposed views) start with the pre-split 3xTF32,
     which reads the split operand K-major from memory: 88-102 TFLOP/s on an H100 where 3xTF32 split in
     registers made 39 (tools/tune_linear.py at 1024 x 8192 -> 8192 and 16384 x 4096 -> 4096). The full
     search also times that, and the GEMM on K-major copies of the operands."""
-    candidates: dict[str, Runner] = {}
+    candidates: list[LinearImplementation] = []
     search = tuning.search()
-    if gemm_choice in ("auto", "triton") and precision != "ieee" and fits_int32_offsets(x, weight.shape[0]):
+    if gemm_choice in ("auto", "triton") and precision != "ieee":
         k_major = _k_major(x) and _k_major(weight)
         precisions = [precision]
         if precision == "tf32x3":
             pre_split = pre_split_precision(x, weight)
             precisions = [precision, pre_split] if k_major else [pre_split] + ([precision] if search == "full" else [])
-        tma = not traced and gemm.tma_usable(x, weight)
-        candidates.update(triton_candidates(precisions, x, weight, tma, _on_triton_gemm))
+        candidates += [LinearImplementation(p, config) for p, config in
+                       triton_configs(precisions, x, weight.shape[0], tma=not traced)]
         if not k_major and search == "full":
-            config = gemm.gemm_configs(precision, x.dtype)[0]
-            candidates[f"triton {precision} {config.describe()} on K-major copies"] = functools.partial(
-                _on_triton_gemm, precision=precision, config=config, k_major_copies=True)
+            candidates.append(LinearImplementation(precision, gemm.gemm_configs(precision, x.dtype)[0], True))
+        candidates = [c for c in candidates if c.unlaunchable(x, weight, None) is None]
     if gemm_choice in ("auto", "cublas") or not candidates:
         if not traced or cublas_traceable(precision):
-            candidates["cublas"] = functools.partial(_on_cublas, precision=precision)
-    return candidates
-
-
-def _on_triton_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor], precision: str, config: gemm.GemmConfig,
-                    k_major_copies: bool = False) -> Tensor:
-    if k_major_copies:
-        x, weight = _k_major_copy(x), _k_major_copy(weight)
-    return gemm.run_gemm(Linear(x, weight, bias), precision, config).y
+            candidates.append(LinearImplementation(precision))
+    return {c.name: c for c in candidates}
 
 
 def _on_cublas(x: Tensor, weight: Tensor, bias: Optional[Tensor], precision: str) -> Tensor:
@@ -204,7 +240,7 @@ def _k_major_copy(t: Tensor) -> Tensor:
     return t if _k_major(t) else t.contiguous()
 
 
-def _timed(run: Runner, inputs: Callable[[], tuple]) -> Callable[[], Tensor]:
+def _timed(run: LinearImplementation, inputs: Callable[[], tuple]) -> Callable[[], Tensor]:
     return lambda: run(*inputs())
 
 

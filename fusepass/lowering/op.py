@@ -13,12 +13,14 @@ the opaque op, which chooses and launches when it runs, and on CPU runs the refe
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from fusepass.lowering import backward
+from fusepass.lowering import backward, limits
 from fusepass.lowering.choice import OP_NAME, choose_implementation, static_shapes
+from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.launch import OPAQUE_ENV
 from fusepass.lowering.reference import new_running_stat_shape, reference, running_stats_dtype
 from fusepass.lowering.schema import ChainArgs, ChainOutputs, bind, flatten, with_op_signature
@@ -36,7 +38,17 @@ def _traced_body(*op_args, **op_kwargs) -> tuple:
             run = choose_implementation(args, traced=traced)
     if run is None:
         return torch.ops.fusepass.linear_scale_batch_norm_opaque(*flatten(args))
-    return tuple(run(args))
+    return tuple(_launch_checked(args, run))
+
+
+def _launch_checked(args: ChainArgs, run: Optional[Implementation]) -> ChainOutputs:
+    """`run` on args where its kernels can launch for them (checked on every call: a choice made for one
+    call serves others of its shape), else the unfused math for this call (limits.py)."""
+    why = run.unlaunchable(args) if run is not None else "no implementation launches for it"
+    if why is None:
+        return run(args)
+    limits.record_unlaunchable(OP_NAME, why)
+    return reference(args)
 
 
 linear_scale_batch_norm = torch.library.triton_op(OP_NAME, _traced_body, mutates_args=())
@@ -57,7 +69,7 @@ def _opaque_cuda(*op_args, **op_kwargs) -> tuple:
     """On CUDA, the implementation chosen for the real arguments when it runs."""
     args = bind(op_args, op_kwargs)
     args.validate()
-    return tuple(choose_implementation(args)(args))
+    return tuple(_launch_checked(args, choose_implementation(args)))
 
 
 @_opaque.register_fake

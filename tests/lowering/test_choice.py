@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from fusepass.lowering import choice, gemm
-from fusepass.lowering.implementations import on_triton_gemm
+from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.schema import Kernel, Linear
 from tests.lowering.cases import assert_like_eager, make_args
 
@@ -46,8 +46,13 @@ def test_candidates_per_choice():
     unaligned = make_args(8, 17, 4).linear.x[:, 1:]
     assert not any(name.endswith(" tma") for name in choice.implementations(
         with_operands(args, unaligned, unaligned), "tf32x3"))
+    # 2^32 outputs: past the kernels' 32-bit offsets, the GEMM's and the passes' alike (the op then runs
+    # the unfused math: tests/lowering/test_limits.py)
+    meta = make_args(8, 16, 4, device="meta")
     huge = torch.empty(2**16, 2**15, device="meta")
-    assert list(choice.implementations(with_operands(args, huge, huge), "tf32x3")) == ["cublas"]  # 2^32 outputs
+    assert choice.implementations(with_operands(meta, huge, huge), "tf32x3") == {}
+    wide = torch.empty(2**16 + 1, 2**15, device="meta"), torch.empty(2**10, 2**15, device="meta")
+    assert list(choice.implementations(with_operands(meta, *wide), "tf32x3")) == ["cublas"]  # the GEMM's x alone
 
 
 def test_every_candidate_computes_the_op():
@@ -63,8 +68,7 @@ def test_choice_is_remembered_per_problem(monkeypatch):
     monkeypatch.setattr(choice, "_CHOSEN", {})
     args = make_args(12, 16, 8)
     chosen = choice.choose_implementation(args)
-    assert chosen.func is on_triton_gemm
-    assert chosen.keywords == {"precision": "tf32x3", "config": gemm.gemm_configs("tf32x3", torch.float32)[0]}
+    assert chosen == Implementation("tf32x3", gemm.gemm_configs("tf32x3", torch.float32)[0])
     assert list(choice._CHOSEN) == [choice.ChoiceKey.of(args, "tf32x3", traced=False)]
     assert choice.choose_implementation(args) is chosen
     choice.choose_implementation(dataclasses.replace(args, kernel=Kernel(gemm="cublas")))

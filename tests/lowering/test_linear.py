@@ -31,7 +31,7 @@ def _operands(layout: str, m: int, k: int, n: int, seed: int):
 def test_triton_gemm_on_each_layout_no_further_from_float64_than_eager(layout, precision, m, k, n):
     a, b = _operands(layout, m, k, n, seed=m * k + n)
     for copies in (False, True):
-        out = linear._on_triton_gemm(a, b, None, precision=precision, config=SMALL, k_major_copies=copies)
+        out = linear.LinearImplementation(precision, SMALL, copies)(a, b, None)
         assert_no_further_from_float64(f"{layout} copies={copies}", out, F.linear(a, b),
                                        F.linear(a.double(), b.double()))
 

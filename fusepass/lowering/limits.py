@@ -1,0 +1,99 @@
+"""What a launch of the fused kernels needs of its call, checked on every call before anything launches.
+
+Each check returns None when the call can run, else the reason it cannot. A call that cannot run on the
+Triton kernels runs the unfused math instead (reference.py for the chain, cuBLAS for the linear op):
+eager's results, never a failed launch or a wrong offset.
+
+- Devices: every tensor the kernels read lives on the device of x. Eager lets a 0-d CPU tensor join a
+  CUDA op; a kernel given its host pointer fails ("CUDA driver error: invalid argument" from Inductor's
+  static launcher).
+- Rows: at least one. The GEMM wraps row indices modulo the row count.
+- 32-bit offsets: the kernels index in int32, so each tensor's furthest element, from its strides, must
+  lie below 2**31 elements.
+- Grids: the passes and the split launch 2-D grids whose second dimension covers the columns in blocks of
+  64, and CUDA allows at most 65535 there.
+- TMA: a descriptor needs Hopper or newer, a contiguous last dimension and 16-byte aligned base and row
+  stride: checked on the call's own tensors, since a choice made for one call serves others of the same
+  shape whose storage may start elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+import torch
+import triton
+from torch import Tensor
+from torch._dynamo.utils import counters
+
+log = logging.getLogger(__name__)
+
+INT32_ELEMENTS = 2**31 - 1
+MAX_GRID_Y = 65535
+COLUMN_BLOCK = 64  # the widest column block of a 2-D grid's second dimension (passes.py, gemm.split_tf32)
+
+
+def furthest_element(t: Tensor) -> int:
+    """The offset, in elements, of a tensor's furthest element from its first (0 for an empty one)."""
+    if t.numel() == 0:
+        return 0
+    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+
+
+def off_device(device: torch.device, tensors: Iterable[Optional[Tensor]]) -> Optional[str]:
+    for t in tensors:
+        if t is not None and t.device != device:
+            return f"a {tuple(t.shape)} operand is on {t.device}, the call on {device}"
+    return None
+
+
+def int32_offsets(**tensors: Optional[Tensor]) -> Optional[str]:
+    for name, t in tensors.items():
+        if t is not None and furthest_element(t) > INT32_ELEMENTS:
+            return f"{name} spans {furthest_element(t)} elements: past 32-bit offsets"
+    return None
+
+
+def int32_buffer(name: str, rows: int, cols: int) -> Optional[str]:
+    """A row-major (rows, cols) buffer the kernels allocate and index."""
+    if rows * cols - 1 > INT32_ELEMENTS:
+        return f"{name} ({rows} x {cols}) is past 32-bit offsets"
+    return None
+
+
+def some_rows(n_rows: int) -> Optional[str]:
+    return None if n_rows > 0 else "no rows"
+
+
+def column_grid(n_cols: int) -> Optional[str]:
+    if triton.cdiv(n_cols, COLUMN_BLOCK) > MAX_GRID_Y:
+        return f"{n_cols} columns need more than {MAX_GRID_Y} blocks of {COLUMN_BLOCK} in a grid's 2nd dimension"
+    return None
+
+
+def tma_descriptors(*tensors: Tensor) -> Optional[str]:
+    if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
+        return "TMA needs Hopper or newer"
+    for t in tensors:
+        if t.dim() != 2 or t.stride(1) != 1:
+            return f"a TMA operand of strides {t.stride()} has no contiguous last dimension"
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return "a TMA operand's base or row stride is not 16-byte aligned"
+    return None
+
+
+def first(*reasons: Optional[str]) -> Optional[str]:
+    return next((r for r in reasons if r), None)
+
+
+def record_unlaunchable(op_name: str, why: str) -> None:
+    """Counts a call that runs the unfused math (counters["fusepass"]["unlaunchable"]: per call where the
+    op runs opaquely, per compile where its body is traced) and logs why, once per reason."""
+    counters["fusepass"]["unlaunchable"] += 1
+    if why not in _LOGGED:
+        _LOGGED.add(why)
+        log.info("fusepass: %s runs unfused for a call: %s", op_name, why)
+
+
+_LOGGED: set[str] = set()

@@ -1,0 +1,164 @@
+"""What a launch needs of its call (limits.py), checked on every call: each invariant alone, then the op's
+and the linear op's fallback to the unfused math when one fails, under Triton's interpreter on CPU."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from fusepass.lowering import choice, gemm, limits, linear, op
+from fusepass.lowering.implementations import Implementation
+from fusepass.lowering.reference import reference
+from fusepass.lowering.schema import ChainOutputs, Linear, Scale
+from tests.chains import requires_cuda
+from tests.lowering.cases import KERNEL_DEVICE, assert_like_eager, make_args
+
+SMALL = gemm.GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=2)
+
+
+def strided(shape, stride):
+    """A tensor of any strides without its memory: a meta tensor."""
+    return torch.empty_strided(shape, stride, device="meta")
+
+
+def test_int32_offsets_are_measured_from_the_strides():
+    assert limits.furthest_element(strided((3, 4), (4, 1))) == 11
+    assert limits.furthest_element(strided((3, 4), (1, 3))) == 11  # a transposed view
+    assert limits.furthest_element(strided((0, 4), (4, 1))) == 0
+    assert limits.int32_offsets(x=strided((2**16, 2**15), (2**15, 1))) is None  # 2**31 - 1: the last offset
+    assert "past 32-bit" in limits.int32_offsets(x=strided((2**16 + 1, 2**15), (2**15, 1)))
+    assert "past 32-bit" in limits.int32_offsets(x=strided((2, 2), (2**31, 1)))  # a row far away
+    assert limits.int32_buffer("y", 2**16, 2**15) is None and limits.int32_buffer("y", 2**16, 2**15 + 1)
+
+
+def test_grid_second_dimension():
+    assert limits.column_grid(65535 * 64) is None
+    assert "65535" in limits.column_grid(65535 * 64 + 1)
+
+
+def test_tma_needs_aligned_rows_and_base():
+    x = torch.randn(8, 17)
+    assert limits.tma_descriptors(torch.randn(8, 16)) is None
+    assert "16-byte" in limits.tma_descriptors(x[:, 1:])  # base 4 bytes in, rows of 17 floats
+    assert "contiguous last dimension" in limits.tma_descriptors(torch.randn(16, 8).t())
+
+
+def test_devices_and_rows():
+    assert limits.off_device(torch.device("cpu"), [torch.ones(2), None]) is None
+    assert "is on meta" in limits.off_device(torch.device("cpu"), [torch.ones(2), torch.ones((), device="meta")])
+    assert limits.some_rows(0) == "no rows" and limits.some_rows(1) is None
+
+
+def test_chain_implementation_checks_its_kernels_and_the_passes():
+    args = make_args(12, 16, 8)
+    triton, cublas = Implementation("tf32x3", SMALL), Implementation("tf32x3")
+    assert triton.unlaunchable(args) is None and cublas.unlaunchable(args) is None
+    assert triton.name.startswith("triton tf32x3 16x32x16") and cublas.name == "cublas"
+    no_rows = dataclasses.replace(args, linear=dataclasses.replace(args.linear, x=args.linear.x[:0]))
+    assert triton.unlaunchable(no_rows) == cublas.unlaunchable(no_rows) == "no rows"
+    elsewhere = dataclasses.replace(args, scale_before=Scale(tensor=torch.ones((), device="meta")))
+    assert "on meta" in cublas.unlaunchable(elsewhere)
+    misaligned = dataclasses.replace(args, linear=Linear(torch.randn(12, 17)[:, 1:], args.linear.weight, None))
+    assert "16-byte" in Implementation("tf32x3", SMALL.with_tma()).unlaunchable(misaligned)
+    assert triton.unlaunchable(misaligned) is None  # the pointer-based kernel reads any strides
+
+
+@pytest.fixture
+def tiny_int32(monkeypatch):
+    """Offsets past 96 elements count as past 32 bits: small problems take the oversized path."""
+    monkeypatch.setattr(limits, "INT32_ELEMENTS", 96)
+    counters["fusepass"].clear()
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_call_past_the_limits_runs_the_unfused_math(tiny_int32, training):
+    args = make_args(12, 16, 8, training=training, save_linear_out=True)
+    out = op._launch_checked(args, Implementation("tf32x3", SMALL))
+    assert counters["fusepass"]["unlaunchable"] == 1
+    expected = reference(args)
+    for name, value in out._asdict().items():
+        assert torch.equal(value, getattr(expected, name)), name
+    assert_like_eager(ChainOutputs(*out), args)
+
+
+def test_a_call_within_the_limits_runs_its_kernels(monkeypatch):
+    args = make_args(12, 16, 8, save_linear_out=True)
+    launched = []
+    monkeypatch.setattr(Implementation, "__call__", lambda self, a: launched.append(self) or reference(a))
+    op._launch_checked(args, Implementation("tf32x3", SMALL))
+    assert launched == [Implementation("tf32x3", SMALL)] and counters["fusepass"]["unlaunchable"] == 0
+
+
+def test_linear_op_past_the_limits_runs_cublas(tiny_int32):
+    x, w = torch.randn(12, 16, device=KERNEL_DEVICE), torch.randn(8, 16, device=KERNEL_DEVICE)
+    out = linear._launch_checked(linear.LinearImplementation("tf32x3", SMALL), x, w, None)
+    assert counters["fusepass"]["unlaunchable"] == 1 and torch.equal(out, F.linear(x, w))
+
+
+def test_linear_op_with_a_tma_choice_and_a_misaligned_call_runs_cublas():
+    """A choice made for aligned operands serves a later call of the same shape whose x starts 4 bytes in."""
+    counters["fusepass"].clear()
+    x, w = torch.randn(12, 17, device=KERNEL_DEVICE)[:, 1:], torch.randn(8, 16, device=KERNEL_DEVICE)
+    out = linear._launch_checked(linear.LinearImplementation("tf32x3", SMALL.with_tma()), x, w, None)
+    assert counters["fusepass"]["unlaunchable"] == 1 and torch.equal(out, F.linear(x, w))
+
+
+# --------------------------------------------------------------------------- on a GPU, end to end
+
+
+class CpuScalar(torch.nn.Module):
+    """Linear -> * a 0-d CPU tensor (eager lets it into a CUDA op) -> BatchNorm1d -> - a 0-d CPU tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.bn = torch.nn.Linear(32, 48), torch.nn.BatchNorm1d(48)
+        self.scale, self.shift = torch.tensor(1.7), torch.tensor(0.3)  # plain attributes: .cuda() leaves them
+
+    def forward(self, x):
+        return self.bn(self.linear(x) * self.scale) - self.shift
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cpu_scalars_in_a_cuda_chain_are_fused_on_the_device():
+    from tests.chains import Trio, assert_fused, make_input
+    torch.manual_seed(3)
+    trio = Trio.of(CpuScalar().cuda(), zero_grads=("linear.bias",))
+    for training in (True, False):
+        trio.train(training)
+        trio.step(make_input(40, 32, "cuda"))
+    assert_fused(rewrites=2, graphs=2)
+    assert counters["fusepass"]["unlaunchable"] == 0
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_opaque_op_with_a_tma_choice_takes_a_misaligned_call(monkeypatch):
+    """The op chooses for the first call (TMA, aligned operands) and meets the same shape again with x
+    starting 4 bytes into its storage: that call runs the unfused math instead of failing."""
+    first = gemm.gemm_configs("tf32x3", torch.float32)[0]
+    monkeypatch.setattr(gemm, "gemm_configs", lambda precision, dtype: [first.with_tma(), first])
+    monkeypatch.setattr(choice, "_CHOSEN", {})
+    counters["fusepass"].clear()
+    args = make_args(64, 32, 48, device="cuda", save_linear_out=True)
+    aligned = op.call(args)
+    assert counters["fusepass"]["unlaunchable"] == 0
+    assert_like_eager(aligned, args)
+    x = torch.empty(64 * 33 + 1, device="cuda")[1:].view(64, 33)[:, :32]
+    x.copy_(args.linear.x)
+    misaligned = dataclasses.replace(args, linear=Linear(x, args.linear.weight, args.linear.bias))
+    assert_like_eager(op.call(misaligned), misaligned)
+    assert counters["fusepass"]["unlaunchable"] == 1
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_compiled_chain_past_the_limits_runs_the_unfused_math(tiny_int32):
+    from tests.chains import ChainModel, Trio, assert_fused, make_input
+    torch.manual_seed(4)
+    trio = Trio.of(ChainModel(16, 24).cuda())
+    trio.step(make_input(10, 16, "cuda"))
+    assert_fused(rewrites=1, graphs=1)
+    assert counters["fusepass"]["unlaunchable"] >= 1  # counted when the op's body was traced
