@@ -32,6 +32,7 @@ ADD_TARGETS = (operator.add, torch.add, torch.Tensor.add)
 MUL_TARGETS = (operator.mul, torch.mul, torch.Tensor.mul)
 BATCH_NORM_TARGETS = (F.batch_norm, sync_batch_norm)  # the second: a SyncBatchNorm (sync_batch_norm.py)
 SOFTMAX_TARGETS = (F.softmax, torch.softmax, torch.Tensor.softmax)
+DROPOUT_TARGETS = (F.dropout,)
 
 # The pointwise tail's calls: target -> (op, parameter names, defaults). The op is a pointwise.OPS name,
 # or one resolved from the arguments ("binary:<name>", "gelu", "clamp", "dropout": see _tail_call).
@@ -119,6 +120,11 @@ class BatchNormArgs:
     @property
     def names(self) -> tuple[str, ...]:
         return ("sync_batch_norm",) if self.group_name else ("batch_norm",)
+
+
+@dataclass(frozen=True)
+class IdentityArgs:
+    """A step that passes its input through: dropout in eval, or with p = 0."""
 
 
 @dataclass(frozen=True)
@@ -282,6 +288,22 @@ def parse_batch_norm(node: Node) -> list[tuple[BatchNormArgs, Optional[Node]]]:
     return [(bn, args["input"])]
 
 
+def _check_identity_dropout(node: Node, args: dict[str, Any]) -> None:
+    """Dropout is an identity in eval and with p = 0; NoMatch where it is not (or not known to be)."""
+    if not (_number(args["p"]) and isinstance(args["training"], bool)):
+        raise NoMatch(f"`{node.name}`: dropout with a p or training flag that is not a constant")
+    if args["training"] and args["p"] > 0:
+        raise NoMatch(f"`{node.name}`: dropout with p = {args['p']} in training is random; the chain ends before it")
+
+
+def parse_identity_dropout(node: Node) -> list[tuple[IdentityArgs, Optional[Node]]]:
+    """A dropout that passes its input through: dropout in eval or with p = 0 (F.dropout's signature)."""
+    kind, names, defaults = TAIL_CALLS[F.dropout]
+    args = _bind(node, names, defaults)
+    _check_identity_dropout(node, args)
+    return [(IdentityArgs(), args["input"])]
+
+
 def parse_softmax(node: Node) -> list[tuple[SoftmaxArgs, Optional[Node]]]:
     names = ("input", "dim", "_stacklevel", "dtype") if node.target is F.softmax else ("input", "dim", "dtype")
     args = _bind(node, names, {"dim": None, "_stacklevel": 3, "dtype": None})
@@ -314,10 +336,7 @@ def _tail_call(node: Node) -> _TailCall:
             raise NoMatch(f"`{node.name}`: {kind[7:]} with alpha or rounding_mode is not fused")
         return _TailCall(kind[7:], (args["input"], args["other"]))
     if kind == "dropout":
-        if not (_number(args["p"]) and isinstance(args["training"], bool)):
-            raise NoMatch(f"`{node.name}`: dropout with a p or training flag that is not a constant")
-        if args["training"] and args["p"] > 0:
-            raise NoMatch(f"`{node.name}`: dropout with p = {args['p']} in training is random; the chain ends before it")
+        _check_identity_dropout(node, args)
         return _TailCall(None, (args["input"],), inplace=inplace)
     if kind == "gelu":
         if args["approximate"] not in ("none", "tanh"):

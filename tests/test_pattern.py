@@ -196,3 +196,38 @@ def test_tail_stops_at_an_intermediate_with_another_user(reused, pattern, reason
     assert sorted(m.node.name for m in misses) == sorted(["add", "u" if reused == "batch_norm" else "softmax"])
     assert any(reason in m.reason for m in misses), [m.reason for m in misses]
     assert any("only numbers and tensors of shape" in m.reason for m in misses)
+
+
+class DropoutBetween(nn.Module):
+    """Linear -> Dropout -> [* s ->] BatchNorm1d (PointNet's classifier: bn(dropout(fc(x)))), or the
+    dropout right after the linear and a scale after it."""
+
+    def __init__(self, p: float, where: str):
+        super().__init__()
+        self.linear, self.dropout, self.bn, self.where = nn.Linear(32, 48), nn.Dropout(p), nn.BatchNorm1d(48), where
+
+    def forward(self, x):
+        y = self.linear(x)
+        if self.where == "before_scale":
+            return self.bn(self.dropout(y) * 2.0)
+        return self.bn(self.dropout(y))
+
+
+@pytest.mark.parametrize("where, pattern", [("before_batch_norm", "linear_dropout_batch_norm"),
+                                            ("before_scale", "linear_dropout_scale_batch_norm")])
+@pytest.mark.parametrize("p, training", [(0.4, False), (0.0, True), (0.0, False)])
+def test_identity_dropout_joins_the_chain(p, training, where, pattern):
+    """In eval, or with p = 0, dropout passes its input through: it joins the chain and the fused op
+    leaves it out."""
+    gm = single_graph(DropoutBetween(p, where).train(training), make_input(8, 32))
+    matches, misses = rewrite(gm, families=CHAINS)
+    assert [m.pattern for m in matches] == [pattern] and misses == []
+    assert count_calls(gm, (F.dropout, F.batch_norm)) == 0 and count_calls(gm, (FUSED_OP,)) == 1
+
+
+def test_random_dropout_ends_the_chain_with_the_reason():
+    gm = single_graph(DropoutBetween(0.4, "before_batch_norm").train(), make_input(8, 32))
+    matches, misses = rewrite(gm, families=CHAINS)
+    assert matches == [] and count_calls(gm, (F.dropout,)) == 1
+    [miss] = misses
+    assert "dropout with p = 0.4 in training is random" in miss.reason

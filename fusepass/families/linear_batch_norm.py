@@ -18,15 +18,21 @@ from torch.fx import Graph, Node
 
 from fusepass.lowering.pointwise import MAX_TAIL_TENSORS
 from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Kernel, Linear, Scale, Tail, flatten
-from fusepass.pattern import (ADD_TARGETS, BATCH_NORM_TARGETS, LINEAR_TARGETS, MATMUL_TARGETS, MUL_TARGETS,
-                              SOFTMAX_TARGETS, TAIL_TARGETS, ChainFamily, Match, ScaleArgs, Step, TailArgs, grow_tail,
-                              meta_value, parse_batch_norm, parse_bias, parse_head, parse_scale, parse_softmax)
+from fusepass.pattern import (ADD_TARGETS, BATCH_NORM_TARGETS, DROPOUT_TARGETS, LINEAR_TARGETS, MATMUL_TARGETS,
+                              MUL_TARGETS, SOFTMAX_TARGETS, TAIL_TARGETS, ChainFamily, Match, ScaleArgs, Step, TailArgs,
+                              grow_tail, meta_value, parse_batch_norm, parse_bias, parse_head, parse_identity_dropout,
+                              parse_scale, parse_softmax)
 
 FUSED_OP = torch.ops.fusepass.linear_scale_batch_norm.default
 
 HEAD = Step("linear", "linear", LINEAR_TARGETS + MATMUL_TARGETS, parse_head)  # named by its args: linear, matmul
 BIAS = Step("bias", "add", ADD_TARGETS, parse_bias, optional=True)
 SCALE_BEFORE = Step("scale_before", "scale", MUL_TARGETS, parse_scale, optional=True)
+# Dropout in eval (or with p = 0) passes its input through: it joins the chain where it sits, and the
+# fused op leaves it out (PointNet's classifier: bn(dropout(fc(x)))).
+DROPOUT_AFTER_HEAD = Step("dropout_after_head", "dropout", DROPOUT_TARGETS, parse_identity_dropout, optional=True)
+DROPOUT_BEFORE_BATCH_NORM = Step("dropout_before_batch_norm", "dropout", DROPOUT_TARGETS, parse_identity_dropout,
+                                 optional=True)
 BATCH_NORM = Step("batch_norm", "batch_norm", BATCH_NORM_TARGETS, parse_batch_norm)
 TAIL = Step("tail", "tail", TAIL_TARGETS, None, optional=True, grow=grow_tail)
 SOFTMAX = Step("softmax", "softmax", SOFTMAX_TARGETS, parse_softmax, optional=True)
@@ -59,13 +65,13 @@ def _op_args(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Ker
     linear, bn = match.get("linear"), match.get("batch_norm")
     # Under autocast the linear runs in a lower precision than its inputs: the op sees that dtype.
     compute_dtype = meta_value(match.nodes[0]).dtype
+    device = meta_value(match.nodes[0]).device
 
     def node(value: Optional[Node], cast: bool = False) -> Optional[Node]:
         value = replaced.get(value, value)
-        if not cast:
-            return value
         with graph.inserting_before(match.last):
-            return _cast(graph, value, compute_dtype)
+            value = _to_device(graph, value, device)
+            return _cast(graph, value, compute_dtype) if cast else value
 
     def tail(step: Optional[TailArgs]) -> Tail:
         if step is None:
@@ -97,6 +103,15 @@ def _op_args(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Ker
     )
 
 
+def _to_device(graph: Graph, node: Optional[Node], device: torch.device) -> Optional[Node]:
+    """A 0-d CPU tensor that eager lets into a CUDA op (a scale, a tail operand) moved to the chain's
+    device: the kernels read device memory only."""
+    value = meta_value(node)
+    if not isinstance(value, torch.Tensor) or value.device == device:
+        return node
+    return graph.call_method("to", (node, device))
+
+
 def _cast(graph: Graph, node: Optional[Node], dtype: torch.dtype) -> Optional[Node]:
     """Casts `node` to `dtype` in the graph, as autocast does for linear's inputs; no-op if it already is."""
     value = meta_value(node)
@@ -126,5 +141,6 @@ def _dtype(node: Any):
     return str(value.dtype).replace("torch.", "") if isinstance(value, torch.Tensor) else None
 
 
-FAMILY = ChainFamily(head=(HEAD, BIAS, SCALE_BEFORE), anchor=BATCH_NORM, tail=(TAIL, SOFTMAX),
+FAMILY = ChainFamily(head=(HEAD, BIAS, DROPOUT_AFTER_HEAD, SCALE_BEFORE, DROPOUT_BEFORE_BATCH_NORM),
+                     anchor=BATCH_NORM, tail=(TAIL, SOFTMAX),
                      replace=replace, describe=describe)
