@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import itertools
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from tabulate import tabulate
@@ -85,10 +85,12 @@ def write_debug_dump(debug_dir: str, before: GraphModule, after: GraphModule, re
 def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any) -> Report:
     """What fusepass would rewrite in `model` for these inputs, without changing `model`.
 
-    Runs a deep copy of the model once under torch.compile with a backend that only records the
-    matches and misses of each graph Dynamo captures (the copy runs eagerly otherwise). Each match's
-    verdict (fused, or left to Inductor's faster code: race.py) is the one cached from a compile with
-    time_unfused=True, or why there is none (not timed, or not yet).
+    Runs the model once under torch.compile with a backend that only records the matches and misses of
+    each graph Dynamo captures (the graphs run as they are). Whatever the forward changes is put back
+    afterwards: every parameter's and buffer's value (batch norm's running statistics, an EMA on `.data`
+    inside forward) and the random-number generators' states. The model is not copied: a weight-normed
+    module refuses deepcopy. Each match's verdict (fused, or left to Inductor's faster code: race.py) is
+    the one cached from a compile with time_unfused=True, or why there is none (not timed, or not yet).
     """
     report = Report()
 
@@ -101,5 +103,31 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
         return gm.forward
 
     recording_backend.sees_fusepass_graphs = True  # SyncBatchNorm captured, DDP's cuts kept out of chains
-    torch.compile(copy.deepcopy(model), backend=recording_backend)(*example_inputs, **example_kwargs)
+    with _state_restored(model):
+        torch.compile(model, backend=recording_backend)(*example_inputs, **example_kwargs)
     return report
+
+
+@contextlib.contextmanager
+def _state_restored(model: torch.nn.Module) -> Iterator[None]:
+    """Puts back the values of the model's parameters and buffers, and the random-number generators'
+    states, as they were on entry. A tensor whose `.data` was replaced gets its own storage back; a
+    buffer replaced by another tensor (`self.center = ...`) gets its own tensor back."""
+    owners = {name: module for name, module in model.named_modules()}
+    saved = [(owners[name.rpartition(".")[0]], name.rpartition(".")[2], tensor, tensor.data, tensor.detach().clone())
+             for name, tensor in (*model.named_parameters(remove_duplicate=False),
+                                  *model.named_buffers(remove_duplicate=False))]
+    with torch.random.fork_rng(devices=_cuda_devices(model)):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for module, attribute, tensor, data, value in saved:
+                    if getattr(module, attribute) is not tensor:
+                        setattr(module, attribute, tensor)
+                    tensor.data = data
+                    data.copy_(value)
+
+
+def _cuda_devices(model: torch.nn.Module) -> list[int]:
+    return sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.is_cuda})
