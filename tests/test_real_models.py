@@ -1,0 +1,81 @@
+"""Training code as people write it (tests/real_models.py), eager against fusepass against float64: three
+training steps (ten for MoCo v3 on a GPU) and an eval forward, every loss, gradient, parameter and buffer
+by the project's criterion, with the exact number of rewrites and no fallback."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fusepass
+from tests.chains import assert_fused, requires_cuda
+from tests.real_models import CPU_SIZES, CUDA_SIZES, SYSTEMS, DinoHead, TrainingRun
+
+# system -> (graphs, fused chains, bare linears), the same on CPU and CUDA:
+# - dino: the multi-crop wrapper graph-breaks on unique_consecutive and on the loop over its counts; the
+#   head sees 2 crops (teacher) and 4 (student), so its graph recompiles with a symbolic batch: 3 head
+#   graphs (teacher, student, eval) of 2 chains and 2 linears.
+# - moco_v3: one training graph, one eval graph; per graph 2 views x (projector 2 + predictor 1) chains and
+#   the momentum encoder's 2 x 2, and 3 linears per view pair (backbone, momentum backbone, predictor's last).
+# - barlow_twins: per graph 2 views x (2 projector chains + the shared batch norm's) and 2 backbone linears.
+# - pointnet: training fuses fc1 -> bn1 -> relu (the dropout before bn2 is random: fc2 stays a bare linear);
+#   eval fuses fc2 -> dropout -> bn2 -> relu too.
+# DINO's head is weight-normed as DINO writes it, with the deprecated nn.utils.weight_norm.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+
+COUNTS = {"dino": (13, 6, 6), "moco_v3": (2, 20, 12), "barlow_twins": (2, 12, 4), "pointnet": (2, 3, 3)}
+CUDA_STEPS = {"moco_v3": 10}
+
+
+def _train_and_evaluate(system: str, sizes, device: str, steps: int) -> None:
+    torch.manual_seed(0)
+    run = TrainingRun.of(lambda: SYSTEMS[system](sizes), device)
+    counters["fusepass"].clear()
+    for step in range(steps):
+        run.train_step(step, device)
+    run.eval_forward(device)
+    run.finish()
+    graphs, rewrites, linears = COUNTS[system]
+    assert_fused(rewrites=rewrites, graphs=graphs, linears=linears)
+
+
+@pytest.mark.parametrize("system", sorted(SYSTEMS))
+def test_real_model_trains_like_eager_on_cpu(system):
+    _train_and_evaluate(system, CPU_SIZES, "cpu", steps=3)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("system", sorted(SYSTEMS))
+def test_real_model_trains_like_eager_on_cuda(system):
+    """Batch 1024 per view or crop, widths 1024-4096 (DINO's head 2048 -> 4096 -> 1024 -> 2048)."""
+    _train_and_evaluate(system, CUDA_SIZES, "cuda", steps=CUDA_STEPS.get(system, 3))
+
+
+def test_explain_reports_a_weight_normed_model_and_changes_nothing():
+    """explain() copies nothing (a weight-normed module refuses deepcopy) and puts back what the forward
+    changed: running statistics here, the parameters' values, the random state."""
+    torch.manual_seed(0)
+    head = DinoHead(40, 40, 80, 20)
+    x = torch.randn(16, 40)
+    state = {k: v.clone() for k, v in head.state_dict().items()}
+    rng = torch.get_rng_state()
+    report = fusepass.explain(head, x)
+    assert [m["pattern"] for m in report.matches] == ["linear_batch_norm_gelu", "linear_batch_norm_gelu",
+                                                      "linear", "linear"]
+    assert torch.equal(rng, torch.get_rng_state())
+    for key, value in head.state_dict().items():
+        assert torch.equal(value, state[key]), f"explain() changed {key}"
+
+
+def test_explain_puts_back_parameters_replaced_through_data():
+    """MoCo v3's forward replaces the momentum encoder's parameters' `.data`: explain() gives each its own
+    storage and value back."""
+    torch.manual_seed(0)
+    moco = SYSTEMS["moco_v3"](CPU_SIZES).moco
+    x1, x2 = moco_inputs = SYSTEMS["moco_v3"](CPU_SIZES).inputs("cpu")
+    params = {name: (p, p.data_ptr(), p.detach().clone()) for name, p in moco.named_parameters()}
+    report = fusepass.explain(moco, *moco_inputs, 0.5)
+    assert len(report.matches) == 10 + 6 and x1.shape == x2.shape
+    now = dict(moco.named_parameters())
+    for name, (p, pointer, value) in params.items():
+        assert now[name] is p and p.data_ptr() == pointer and torch.equal(p.detach(), value), name
