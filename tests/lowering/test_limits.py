@@ -60,7 +60,8 @@ def test_chain_implementation_checks_its_kernels_and_the_passes():
     assert triton.unlaunchable(no_rows) == cublas.unlaunchable(no_rows) == "no rows"
     elsewhere = dataclasses.replace(args, scale_before=Scale(tensor=torch.ones((), device="meta")))
     assert "on meta" in cublas.unlaunchable(elsewhere)
-    misaligned = dataclasses.replace(args, linear=Linear(torch.randn(12, 17)[:, 1:], args.linear.weight, None))
+    misaligned = dataclasses.replace(args, linear=Linear(torch.randn(12, 17, device=KERNEL_DEVICE)[:, 1:],
+                                                         args.linear.weight, None))
     assert "16-byte" in Implementation("tf32x3", SMALL.with_tma()).unlaunchable(misaligned)
     assert triton.unlaunchable(misaligned) is None  # the pointer-based kernel reads any strides
 
