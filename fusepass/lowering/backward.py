@@ -16,7 +16,7 @@ from torch import Tensor
 
 from fusepass.lowering import linear, pointwise, sync
 from fusepass.lowering.reference import affine
-from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Linear, Scale, gradients_in_op_order, unflatten
+from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Scale, gradients_in_op_order, unflatten
 
 
 def setup_context(ctx, inputs: tuple, output: tuple) -> None:

@@ -45,6 +45,8 @@ SPLIT_X = tl.constexpr(4)
 PRECISIONS = {"native": NATIVE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W, "split_x": SPLIT_X}
 PRE_SPLIT = ("split_w", "split_x")  # precisions whose kernel reads one operand as tf32 hi + lo from memory
 
+SPLIT_ROW_ALIGNMENT = 16  # elements: a split operand's rows are 64-byte aligned, whatever its width
+
 # What the GEMM does after its main loop (EPILOGUE).
 EPILOGUE_LINEAR = tl.constexpr(0)
 EPILOGUE_STATISTICS = tl.constexpr(1)
@@ -111,6 +113,7 @@ def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) 
     return limits.first(
         limits.int32_offsets(x=x, weight=weight),
         limits.int32_buffer("the linear output", m, weight.shape[0]),
+        limits.int32_buffer("the split operand", split.shape[0], k + SPLIT_ROW_ALIGNMENT) if split is not None else None,
         limits.column_grid(k) if split is not None else None,
         limits.tma_descriptors(x, weight) if config.tma else None,
     )
@@ -127,11 +130,11 @@ def tf32_split(a):
     return hi, a - hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "cols"])
 def _tf32_split_kernel(
     src_ptr, hi_ptr, lo_ptr,  # pointers: src any layout; hi and lo row-major
     rows, cols,  # sizes
-    stride_src_row, stride_src_col,  # strides
+    stride_src_row, stride_src_col, stride_out_row,  # strides
     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,  # meta-parameters
 ):
     """Splits a 2-D tensor of any strides into row-major hi + lo in one pass: a transposed operand is
@@ -140,8 +143,8 @@ def _tf32_split_kernel(
     c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[None, :]
     mask = (r < rows) & (c < cols)
     hi, lo = tf32_split(tl.load(src_ptr + r * stride_src_row + c * stride_src_col, mask=mask, other=0.0))
-    tl.store(hi_ptr + r * cols + c, hi, mask=mask)
-    tl.store(lo_ptr + r * cols + c, lo, mask=mask)
+    tl.store(hi_ptr + r * stride_out_row + c, hi, mask=mask)
+    tl.store(lo_ptr + r * stride_out_row + c, lo, mask=mask)
 
 
 @triton.jit
@@ -181,13 +184,28 @@ def _three_pass_dot(a_hi, a_lo, b_hi, b_lo, acc):
 
 
 @triton.jit
-def _load_k_tile(ptrs, k_mask, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=k_mask, other=0.0)
+def _k_block(x_ptrs, w_ptrs, lo_ptrs, ks, k_left, acc, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """acc + one K block's product. MASKED: the block runs past K, and only its first k_left columns are
+    loaded. The low half (lo_ptrs) has its operand's shape and strides."""
+    if MASKED:
+        x_mask = ks[None, :] < k_left
+        w_mask = ks[:, None] < k_left
+        a = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        b = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    else:
+        a = tl.load(x_ptrs)
+        b = tl.load(w_ptrs)
+    lo = b
+    if PRECISION == SPLIT_W:
+        lo = tl.load(lo_ptrs, mask=w_mask, other=0.0) if MASKED else tl.load(lo_ptrs)
+    if PRECISION == SPLIT_X:
+        lo = tl.load(lo_ptrs, mask=x_mask, other=0.0) if MASKED else tl.load(lo_ptrs)
+    return _dot(a, b, lo, acc, PRECISION)
 
 
-@triton.jit
+# The row count (M; K in a weight gradient's GEMM, whose reduction runs over the batch) changes with the
+# batch: a runtime argument, never specialized, so a new batch size compiles nothing.
+@triton.jit(do_not_specialize=["M", "K"])
 def _gemm_kernel(
     # pointers: GEMM operands
     x_ptr, w_ptr, lo_ptr, bias_ptr,
@@ -209,7 +227,7 @@ def _gemm_kernel(
     TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
     TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # Grouped tile order: GROUP_M row tiles share each W column tile while it is in L2.
     pid = tl.program_id(0)
@@ -253,20 +271,16 @@ def _gemm_kernel(
         else:
             lo_ptrs = lo_ptr + w_offsets
             lo_step = BLOCK_K * stride_wk
-        for k0 in range(0, K, BLOCK_K):
-            x_k_mask = (k0 + ks)[None, :] < K
-            w_k_mask = (k0 + ks)[:, None] < K
-            a = _load_k_tile(x_ptrs, x_k_mask, EVEN_K)
-            b = _load_k_tile(w_ptrs, w_k_mask, EVEN_K)
-            lo = b
-            if PRECISION == SPLIT_W:
-                lo = _load_k_tile(lo_ptrs, w_k_mask, EVEN_K)
-            if PRECISION == SPLIT_X:
-                lo = _load_k_tile(lo_ptrs, x_k_mask, EVEN_K)
-            acc = _dot(a, b, lo, acc, PRECISION)
+        # Whole K blocks load without masks; a last, partial block (K is the batch in a weight gradient)
+        # is masked, checked at run time so that K needs no compile of its own.
+        k_whole = K - K % BLOCK_K
+        for _ in range(0, k_whole, BLOCK_K):
+            acc = _k_block(x_ptrs, w_ptrs, lo_ptrs, ks, BLOCK_K, acc, PRECISION, False)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
             lo_ptrs += lo_step
+        if k_whole < K:
+            acc = _k_block(x_ptrs, w_ptrs, lo_ptrs, ks, K - k_whole, acc, PRECISION, True)
     if PRECISION == SPLIT_X:
         acc = tl.trans(acc)
 
@@ -305,14 +319,20 @@ def _gemm_kernel(
 
 
 def split_tf32(t: Tensor) -> tuple[Tensor, Tensor]:
-    """(hi, lo) with t == hi + lo exactly and hi representable in tf32: contiguous, from a 2-D t of any
-    strides."""
+    """(hi, lo) with t == hi + lo exactly and hi representable in tf32, from a 2-D t of any strides: in
+    row-major buffers of t's rows and its columns rounded up to SPLIT_ROW_ALIGNMENT, whose first
+    columns hold the halves (`hi[:, :cols] + lo[:, :cols] == t`). A weight gradient's split operand has
+    the batch as its columns; padded, its row stride is divisible by 16 for every batch size, so the GEMM
+    reading it compiles once and loads it vectorized. The buffers are returned whole, not as views of
+    t's width: a view's contiguity check on a symbolic batch would guard on batch % 16 and recompile
+    the graph when it changes (seen on an H100)."""
     rows, cols = t.shape
-    hi = torch.empty((rows, cols), device=t.device, dtype=t.dtype)
-    lo = torch.empty((rows, cols), device=t.device, dtype=t.dtype)
+    stride = (cols + SPLIT_ROW_ALIGNMENT - 1) // SPLIT_ROW_ALIGNMENT * SPLIT_ROW_ALIGNMENT
+    hi = torch.empty((rows, stride), device=t.device, dtype=t.dtype)
+    lo = torch.empty((rows, stride), device=t.device, dtype=t.dtype)
     block = 64
     grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
-    launch(_tf32_split_kernel)[grid](t, hi, lo, rows, cols, t.stride(0), t.stride(1),
+    launch(_tf32_split_kernel)[grid](t, hi, lo, rows, cols, t.stride(0), t.stride(1), stride,
                                      BLOCK_ROWS=block, BLOCK_COLS=block)
     return hi, lo
 
@@ -350,11 +370,12 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
     m, k = x.shape
     n = weight.shape[0]
     device = x.device
-    lo = None  # the low tf32 half of the operand split in memory
+    lo = None  # the low tf32 half of the operand split in memory, in a buffer k columns wide or a little more
     if precision == "split_w":
         weight, lo = split_tf32(weight)
     elif precision == "split_x":
         x, lo = split_tf32(x)
+    # The operands' shapes from here on are (m, k) and (n, k), whatever their buffers' widths.
     if x.dtype == torch.float32 and weight.stride(1) != 1:
         # An (in, out) weight seen as (out, in) (a matmul head's W.t(), a backward's x.t()): TF32 tensor
         # cores read their second operand K-major only, so give them a K-major copy (the tuner times it).
@@ -375,13 +396,14 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
     # two buffers (measured: a second 128 MB copy at 8192 x 8192 bf16, and its write in the cast kernel).
     operands = (x, weight, opt(lo))
     if config.tma:
-        lo_tile = [config.block_m if precision == "split_x" else config.block_n, config.block_k]
+        lo_rows, lo_block = (m, config.block_m) if precision == "split_x" else (n, config.block_n)
         lo = weight if lo is None else lo  # a descriptor needs an operand-shaped tensor; unread
         why = limits.tma_descriptors(x, weight, lo)
         if why:
             raise ValueError(f"run_gemm: {why}")
-        operands = (_descriptor(x, config.block_m, config.block_k), _descriptor(weight, config.block_n, config.block_k),
-                    _descriptor(lo, *lo_tile))
+        operands = (_descriptor(x, m, k, config.block_m, config.block_k),
+                    _descriptor(weight, n, k, config.block_n, config.block_k),
+                    _descriptor(lo, lo_rows, k, lo_block, config.block_k))
     bn = eval_norm.batch_norm if eval_norm else None
     tail = eval_norm.tail if eval_norm else Tail()
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
@@ -399,11 +421,12 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
         HAS_BIAS=bias is not None, SCALE_MODE=scale_before.mode, **pointwise.kernel_meta(tail.program, tail.tensors),
         HAS_GAMMA=bn is not None and bn.weight is not None, HAS_BETA=bn is not None and bn.bias is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        EVEN_K=k % config.block_k == 0, USE_TMA=config.tma,
+        USE_TMA=config.tma,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return GemmOutputs(y, out, part_mean if n_parts else None, part_m2 if n_parts else None, config.block_m)
 
 
-def _descriptor(t: Tensor, block_rows: int, block_cols: int) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block_rows, block_cols])
+def _descriptor(t: Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> TensorDescriptor:
+    """A TMA descriptor of t's first `rows` x `cols` (a split buffer is wider): tiles past them read 0."""
+    return TensorDescriptor(t, [rows, cols], [t.stride(0), 1], [block_rows, block_cols])

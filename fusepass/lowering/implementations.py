@@ -91,7 +91,7 @@ def _output_buffer(y: Tensor, args: ChainArgs) -> Tensor:
     """Where the output goes: over y when y is not returned (saves an (N, F) buffer), else a new tensor.
     Not over y while traced: Inductor then copies y into a new buffer for the pass to write (seen in
     its generated code: one more launch and a copy of y, no memory saved)."""
-    if not args.save_linear_out and y.dtype == args.out_dtype and y.is_contiguous() and not tracing():
+    if not tracing() and not args.save_linear_out and y.dtype == args.out_dtype and y.is_contiguous():
         return y
     return torch.empty(y.shape, device=y.device, dtype=args.out_dtype)
 

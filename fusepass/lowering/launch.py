@@ -23,6 +23,15 @@ _MODE_KEYS = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKe
               torch._C._TorchDispatchModeKey.FUNCTIONAL)
 
 
+def hint(size) -> int:
+    """A size as an int: itself, or a symbolic size's hint (the value it has in the call being traced),
+    read without a guard, so that a decision made from it does not specialize the graph."""
+    if isinstance(size, int):
+        return size
+    node = size.node
+    return int(node.hint) if node.has_hint() else int(node.shape_env.size_hint(node.expr))
+
+
 def tracing() -> bool:
     """Whether a dispatch mode (fake tensors, functionalization, FX tracing, a user's mode) is active,
     i.e. the tensors reaching a kernel may not be real device memory."""

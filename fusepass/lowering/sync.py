@@ -36,8 +36,10 @@ def merge_strips(part_mean: Tensor, part_m2: Tensor, rows_per_part: int, n_rows:
     if n_parts == 0:  # a rank without rows
         zeros = part_mean.new_zeros(part_mean.shape[1])
         return part_mean.new_zeros(1), zeros, zeros
-    counts = torch.full((n_parts, 1), float(rows_per_part), device=part_mean.device)
-    counts[-1] = float(n_rows - (n_parts - 1) * rows_per_part)
+    # Every strip holds rows_per_part rows but the last; from the row count as a tensor op, so that a
+    # symbolic batch is not specialized.
+    first_rows = torch.arange(n_parts, device=part_mean.device) * rows_per_part
+    counts = (n_rows - first_rows).clamp(max=rows_per_part).to(part_mean.dtype)[:, None]
     return _chan(counts, part_mean, part_m2)
 
 

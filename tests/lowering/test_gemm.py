@@ -21,7 +21,9 @@ def test_tf32_split_is_exact_and_hi_fits_tf32(transposed):
     t = torch.randn(67, 93, generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE) * 1e3
     t = t.t() if transposed else t  # a transposed operand comes out row-major from the same pass
     hi, lo = gemm.split_tf32(t)
-    assert hi.is_contiguous() and lo.is_contiguous()
+    padded = (t.shape[1] + 15) // 16 * 16
+    assert hi.is_contiguous() and lo.is_contiguous() and hi.shape == lo.shape == (t.shape[0], padded)
+    hi, lo = hi[:, :t.shape[1]], lo[:, :t.shape[1]]
     assert torch.equal(hi + lo, t)
     assert (hi.view(torch.int32) & 0x1FFF).eq(0).all()  # 13 low mantissa bits clear: 10 remain
     assert (lo.abs() <= hi.abs() * 2.0**-11).all()  # rounded to nearest: |lo| is at most half a tf32 ulp
@@ -116,15 +118,17 @@ def test_half_precision_implementations(impl, precision, training, dtype):
 @pytest.mark.parametrize("softmax", [False, True])
 def test_launches_after_the_gemm(monkeypatch, softmax):
     """Eval without softmax: the GEMM epilogue normalizes, no pass after it. Otherwise one output pass,
-    which in training merges the GEMM's per-tile statistics itself (few row tiles here). After cuBLAS:
-    the statistics pass (training) and the output pass, which finishes the statistics itself."""
+    which in training merges the GEMM's per-tile statistics itself (few row tiles here), except a softmax
+    pass, which reads them from a finalize launch (passes.normalize_training says why). After cuBLAS: the
+    statistics pass (training) and the output pass, likewise."""
     launched = record_launches(monkeypatch)
     output_kernel = "_normalize_softmax_kernel" if softmax else "_normalize_kernel"
     for training in (False, True):
         args = make_args(20, 16, 12, softmax=softmax, training=training)
+        finalize = ["_finalize_stats_kernel"] if training and softmax else []
         launched.clear()
         on_triton_gemm(args, "tf32x3", SMALL)
-        assert launched == ([output_kernel] if training or softmax else [])
+        assert launched == (finalize + [output_kernel] if training or softmax else [])
         launched.clear()
         on_cublas(args, "tf32x3")
-        assert launched == (["_partial_stats_kernel"] if training else []) + [output_kernel]
+        assert launched == (["_partial_stats_kernel"] if training else []) + finalize + [output_kernel]
