@@ -32,7 +32,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from fusepass.lowering import tuning
 from fusepass.lowering.schema import Kernel
-from fusepass.lowering.tuning import TUNER
+from fusepass.lowering.tuning import TUNER, Problem, bucket
 from fusepass.numerics import no_further_than_eager, rel_error
 from fusepass.pattern import Match, meta_value
 
@@ -77,7 +77,7 @@ def recorded(gm: GraphModule, match: Match, kernel: Kernel) -> str:
     return _describe(problem, choice) if choice else NOT_YET_TIMED
 
 
-def _cached(gm: GraphModule, match: Match, kernel: Kernel) -> tuple[GraphModule, str, Optional[str]]:
+def _cached(gm: GraphModule, match: Match, kernel: Kernel) -> tuple[GraphModule, Problem, Optional[str]]:
     """The match's nodes alone (extract), its problem key, and the verdict cached for it, if any."""
     unfused = extract(gm, match.nodes)
     problem = problem_key(match, unfused, kernel)
@@ -247,27 +247,30 @@ def _isolated():
                 tls.metrics_context = saved
 
 
-def problem_key(match: Match, sub: GraphModule, kernel: Kernel) -> str:
-    """What the verdict depends on: the match's pattern, its family's description of it (train or eval
-    included), its inputs (shape, dtype, strides, whether a gradient flows), the ambient precision
-    (autocast, TF32, grad mode) and the fused op's options."""
+def problem_key(match: Match, sub: GraphModule, kernel: Kernel) -> Problem:
+    """What the verdict depends on. Family: the match's pattern, train or eval, its inputs (dtype, rank,
+    dimension order of the strides, whether a gradient flows), its features, the ambient precision
+    (autocast, TF32, grad mode) and the fused op's options. Bucket: its rows rounded up to a power of two,
+    as the ops' choices are."""
     described = match.family.describe(match)
     parts = [f"race {match.pattern}", f"training={described.get('training')}"]
     for node in _placeholders(sub):
         v = meta_value(node)
         if isinstance(v, torch.Tensor):
-            parts.append(f"{'x'.join(map(str, v.shape))}:{str(v.dtype).removeprefix('torch.')}"
-                         f":{','.join(map(str, v.stride()))}{':grad' if v.requires_grad else ''}")
+            order = ",".join(str(d) for d in sorted(range(v.dim()), key=lambda d: v.stride(d)))
+            parts.append(f"{v.dim()}d:{str(v.dtype).removeprefix('torch.')}:{order}{':grad' if v.requires_grad else ''}")
         else:
             parts.append(repr(v))
     autocast = (torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None)
     parts += [f"autocast={autocast}", f"tf32={torch.backends.cuda.matmul.allow_tf32}",
               f"grad={torch.is_grad_enabled()}", f"kernel={kernel.fp32_matmul},{kernel.gemm}"]
-    return " ".join(parts)
+    (rows, in_features), out_features = described["shapes"]["x"], described["shapes"]["out"][1]
+    parts.append(f"features={in_features}->{out_features}")
+    return Problem(" ".join(parts), (bucket(rows),))
 
 
-def _describe(problem: str, choice: str) -> str:
-    times = TUNER.timings.get(problem)
+def _describe(problem: Problem, choice: str) -> str:
+    times = TUNER.timings.get(problem.describe())
     if not times:
         return f"{choice}: the tuning cache's choice"
     measured = ", ".join(f"{name} {ms:.3f} ms" for name, ms in sorted(times.items(), key=lambda i: i[1]))

@@ -226,14 +226,14 @@ class Trio:
     @classmethod
     def of(cls, model: nn.Module, options: Optional[dict] = None, mode: Optional[str] = None, *,
            zero_grads: Optional[tuple] = None, float64_grads: Optional[tuple] = None,
-           dynamic_batch: bool = False) -> "Trio":
+           dynamic_batch: bool = False, dynamic: Optional[bool] = None) -> "Trio":
         default_zero, default_float64 = exact_training_grads(model)
         zero_grads = tuple(default_zero if zero_grads is None else zero_grads)
         float64_grads = tuple(default_float64 if float64_grads is None else float64_grads)
         names = dict(model.named_parameters())
         assert all(name in names for name in zero_grads + float64_grads), (zero_grads, float64_grads)
         fused = copy.deepcopy(model)
-        compiled = torch.compile(fused, backend="fusepass", options=options, mode=mode)
+        compiled = torch.compile(fused, backend="fusepass", options=options, mode=mode, dynamic=dynamic)
         return cls(copy.deepcopy(model), fused, copy.deepcopy(model).double(), compiled,
                    zero_grads=zero_grads, float64_grads=float64_grads, dynamic_batch=dynamic_batch)
 

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 
 from torch._dynamo.utils import counters  # noqa: E402
 
-from fusepass.lowering import tuning  # noqa: E402
+from fusepass.lowering import linear, op, tuning  # noqa: E402
 
 
 def pytest_configure(config):
@@ -22,11 +22,15 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
-def untuned(tmp_path_factory, monkeypatch):
+def untuned(tmp_path, monkeypatch):
     """Tests take each op's default implementation unless they ask for tuning (tests/lowering/
-    test_tuning.py; the GPU benchmark tunes for real), and never touch the user's tuning cache."""
+    test_tuning.py; the GPU benchmark tunes for real), never touch the user's tuning cache, and start
+    with no choice remembered: a test's choices would otherwise lend themselves to the next one's
+    buckets."""
     monkeypatch.setenv(tuning.TUNE_ENV, os.environ.get(tuning.TUNE_ENV, "0"))
-    monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(tmp_path_factory.getbasetemp() / "fusepass-cache"))
+    monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(tmp_path / "fusepass-cache"))
+    for remembers in (tuning.TUNER, op.CHAIN, linear.LINEAR):
+        remembers.forget()
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
 """End to end: torch.compile(backend="fusepass") against eager and a float64 copy of the model."""
 
 import copy
+import dataclasses
 import importlib.metadata
 import os
 import re
@@ -382,7 +383,8 @@ def test_fused_op_failing_at_first_call_falls_back_without_double_update(monkeyp
     def broken_kernel(*args, **kwargs):
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(lowering, "reference", broken_kernel)
+    monkeypatch.setattr(lowering.CHAIN, "declaration",
+                        dataclasses.replace(lowering.CHAIN.declaration, unfused=broken_kernel))
     torch.manual_seed(8)
     with pytest.warns(FusepassFallbackWarning) as caught:
         trio = Trio.of(ChainModel(), **UNFUSED)
@@ -535,12 +537,17 @@ def test_traced_softmax_chain_launches_only_its_own_kernels(gemm, kernels, _):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_symbolic_batch_uses_the_opaque_op(device):
-    """A symbolic batch size cannot be tuned for at compile time: the op chooses when it runs."""
+@pytest.mark.parametrize("training", [True, False])
+def test_a_symbolic_batch_is_traced_like_a_static_one(device, training):
+    """mark_dynamic: the batch is symbolic. On CUDA the op's body is traced all the same (its choice made
+    for the size hint's bucket) and Inductor launches its kernels; on CPU it is the opaque reference."""
     torch.manual_seed(6)
-    model = ChainModel().to(device)
+    model = ChainModel().to(device).train(training)
     x = make_input(8, 32, device)
     torch._dynamo.mark_dynamic(x, 0)
     code = _compiled_code(model, x)
-    assert code.count(OPAQUE_CALL) == 1
+    if device == "cuda":
+        assert "linear_scale_batch_norm_opaque" not in code and "_gemm_kernel" in code
+    else:
+        assert code.count(OPAQUE_CALL) == 1
     assert_fused(rewrites=1, graphs=1)

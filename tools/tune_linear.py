@@ -39,8 +39,10 @@ def main() -> None:
         for layout, (a, b) in layouts(m, k, n, DTYPES[args.precision]).items():
             ref = a.double() @ b.double().t()
             flop = 2 * a.shape[0] * a.shape[1] * b.shape[0]
-            for name, run in linear.implementations(a, b, args.precision, "auto", traced=False).items():
-                call = lambda: run(a, b, None)  # noqa: E731
+            call_args = linear.LinearCall(a, b, None, "tf32x3", "auto")
+            problem = linear.problem(call_args, traced=False)
+            for name, run in linear.candidates(call_args, problem, traced=False).items():
+                call = lambda: run(call_args)  # noqa: E731
                 ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
                 graph_ms = tuning.gpu_time(call)
                 rows.append([size, layout, name, f"{ms:.3f}", f"{graph_ms:.3f}", f"{flop / ms / 1e9:.0f}",

@@ -1,25 +1,25 @@
-"""Which CUDA implementation runs a call of the fused op: the candidates for its problem (GEMM precision,
-Triton tile configs, cuBLAS), and the choice among them, by timing (tuning.py) or from memory.
+"""What can run a call of fusepass's tuned ops (tuned_op.py): the GEMM precision, the Triton tile
+configs and cuBLAS; and for the chain op its problem (the tuning key) and its candidates.
 
-A choice depends on the problem only (`ChoiceKey`: shapes, dtypes, precision, which steps are present,
-traced or not), so it is made once per problem and process, and cached on disk across processes.
+A chain's problem is a family, its features (in and out) and every argument that changes a kernel (each
+tensor's dtype and kind, every flag and option; not the float values, which change none), and a bucket
+of its rows, the batch, rounded up to a power of two. The candidates are decided from the bucket, not
+the call's exact row count, so that every call of a bucket is offered the same ones.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-from typing import Callable, NamedTuple, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from fusepass.lowering import gemm, tuning
 from fusepass.lowering.implementations import Implementation
-from fusepass.lowering.launch import real_tensors
-from fusepass.lowering.schema import FLAT_NAMES, ChainArgs, ChainOutputs, flatten, unflatten
-from fusepass.lowering.tuning import TUNER, capturing
+from fusepass.lowering.launch import hint
+from fusepass.lowering.schema import FLAT_NAMES, ChainArgs, flatten, unflatten
+from fusepass.lowering.tuning import Problem, bucket
 
 OP_NAME = "fusepass::linear_scale_batch_norm"
 TRITON_GEMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -37,10 +37,6 @@ def matmul_precision(dtype: torch.dtype, fp32_matmul: str) -> str:
     return "tf32x3"
 
 
-def gemm_choice(args: ChainArgs) -> str:
-    return gemm_option(args.linear.x, args.linear.weight, args.kernel.gemm)
-
-
 def gemm_option(x: Tensor, weight: Tensor, gemm_option: str) -> str:
     """The kernel option `gemm`, except that dtypes the Triton GEMM lacks go to cuBLAS."""
     if x.dtype not in TRITON_GEMM_DTYPES or weight.dtype != x.dtype:
@@ -48,43 +44,24 @@ def gemm_option(x: Tensor, weight: Tensor, gemm_option: str) -> str:
     return gemm_option
 
 
-def implementations(args: ChainArgs, precision: str, traced: bool = False) -> dict[str, Implementation]:
-    """Every way to run the op for these arguments that the tuner's search times (tuning.search: the
-    short search takes each precision's gemm.shortlist), by name, the default first; only those that can
-    launch for these arguments (Implementation.unlaunchable). Plain fp32 FMA ("ieee") is cuBLAS's alone,
-    whatever the gemm option says. TMA tile configs are offered where the operands allow descriptors.
-    `traced`: only those that can run inside Inductor's graph (may be none; see cublas_traceable)."""
-    x, weight = args.linear.x, args.linear.weight
-    choice = gemm_choice(args)
-    candidates = {}
-    if choice in ("auto", "triton") and precision != "ieee":
-        precisions = [precision] + ([pre_split_precision(x, weight)] if precision == "tf32x3" else [])
-        # Traced, no TMA configs: torch does not capture TMA descriptors when it traces a wrap_triton
-        # launch outside Dynamo ("not yet supported", torch 2.13's triton_kernel_wrap.py), and the
-        # operands' addresses (so their alignment) are not known yet.
-        configs = triton_configs(precisions, x, weight.shape[0], tma=not traced)
-        candidates.update({impl.name: impl for impl in (Implementation(p, c) for p, c in configs)})
-    if (choice in ("auto", "cublas") or not candidates) and (not traced or cublas_traceable(precision)):
-        candidates["cublas"] = Implementation(precision)
-    return {name: impl for name, impl in candidates.items() if impl.unlaunchable(args) is None}
-
-
-def triton_configs(precisions: list[str], x: Tensor, n_features: int, tma: bool) -> list[tuple[str, gemm.GemmConfig]]:
-    """(precision, tile config) for each that the tuner's search times (gemm.shortlist unless the search
-    is full); TMA configs only where `tma` (their operands are checked per call, limits.py)."""
+def triton_configs(precisions: list[str], dtype: torch.dtype, m: int, n: int, device: torch.device,
+                   tma: bool) -> list[tuple[str, gemm.GemmConfig]]:
+    """(precision, tile config) for each that the tuner's search times (gemm.shortlist for an m x n
+    output unless the search is full); TMA configs only where `tma` (their operands are checked per
+    call, limits.py)."""
     chosen = []
     for p in precisions:
-        configs = gemm.gemm_configs(p, x.dtype)
+        configs = gemm.gemm_configs(p, dtype)
         if tuning.search() != "full":
-            configs = gemm.shortlist(configs, x.shape[0], n_features, x.device)
+            configs = gemm.shortlist(configs, m, n, device)
         chosen += [(p, config) for config in configs if tma or not config.tma]
     return chosen
 
 
-def pre_split_precision(x: Tensor, weight: Tensor) -> str:
+def pre_split_precision(x_elements: int, weight_elements: int) -> str:
     """3xTF32 with the smaller operand split into tf32 hi + lo in memory, once per call (splitting the
     other, larger one cost up to 13% of the GEMM: 0.20 ms for W at 1024 x 8192 -> 8192 on an H200)."""
-    return "split_x" if x.numel() < weight.numel() else "split_w"
+    return "split_x" if x_elements < weight_elements else "split_w"
 
 
 def cublas_traceable(precision: str) -> bool:
@@ -93,105 +70,71 @@ def cublas_traceable(precision: str) -> bool:
     return precision == "native" or torch.backends.cuda.matmul.allow_tf32 == (precision == "tf32")
 
 
-class ChoiceKey(NamedTuple):
-    """What the choice of implementation depends on, taken from the op's arguments (so a new argument
-    is part of it without being listed here): each tensor's shape and dtype (None where absent), every
-    flag, dtype and option; not the float values (scales, momentum, eps), which change no kernel. The
-    per-process table's key, and (described) the tuner's."""
-    arguments: tuple
-    device: torch.device
-    precision: str
-    gemm: str
-    traced: bool
-
-    @classmethod
-    def of(cls, args: ChainArgs, precision: str, traced: bool) -> "ChoiceKey":
-        return cls(tuple(_key_part(value) for value in flatten(args)), args.linear.x.device, precision,
-                   gemm_choice(args), traced)
-
-    def describe(self) -> str:
-        """The tuner's key (the device is in the tuner's own part of it)."""
-        parts = [f"{name}={_describe_part(part)}" for name, part in zip(FLAT_NAMES, self.arguments)
-                 if part is not _NOT_A_KEY]
-        return " ".join([OP_NAME, f"precision={self.precision}", f"gemm={self.gemm}", *parts]) + (
-            " traced" if self.traced else "")
+# --------------------------------------------------------------------------- the chain op
 
 
-_NOT_A_KEY = "not a key"
+def problem(args: ChainArgs, traced: bool) -> Problem:
+    """The chain call's tuning problem: its family (OP_NAME, the features, precision, gemm option, every
+    argument that changes a kernel, traced or not) and its bucket of rows."""
+    x = args.linear.x
+    precision = matmul_precision(x.dtype, args.kernel.fp32_matmul)
+    parts = [OP_NAME, f"features={hint(x.shape[1])}->{hint(args.n_features)}", f"precision={precision}",
+             f"gemm={_gemm_choice(args)}"]
+    parts += [f"{name}={_family_part(value)}" for name, value in zip(FLAT_NAMES, flatten(args))
+              if not isinstance(value, float)]
+    return Problem(" ".join(parts + (["traced"] if traced else [])), (bucket(hint(x.shape[0])),))
 
 
-def _key_part(value):
+def _family_part(value: Any) -> str:
+    """A tensor by dtype and kind (its shape with each dimension over 1 as `n`): its sizes are the
+    bucket's. Absent: `-`. Anything else as it is."""
     if isinstance(value, Tensor):
-        return tuple(value.shape), value.dtype
-    if isinstance(value, float):
-        return _NOT_A_KEY
-    return value
-
-
-def _describe_part(part) -> str:
-    if isinstance(part, tuple):
-        shape, dtype = part
-        return ("x".join(map(str, shape)) or "()") + ":" + str(dtype).removeprefix("torch.")
-    if part is None:
+        shape = ",".join("1" if hint(d) == 1 else "n" for d in value.shape)
+        return f"({shape}):{str(value.dtype).removeprefix('torch.')}"
+    if value is None:
         return "-"
-    return str(part).removeprefix("torch.")
+    return str(value).removeprefix("torch.")
 
 
-_CHOSEN: dict[ChoiceKey, Optional[Implementation]] = {}
-_NOT_CHOSEN = object()
+def _gemm_choice(args: ChainArgs) -> str:
+    return gemm_option(args.linear.x, args.linear.weight, args.kernel.gemm)
 
 
-def choose_implementation(args: ChainArgs, traced: bool = False) -> Optional[Implementation]:
-    """The implementation for these arguments: from a per-process table (this runs on every call),
-    else from the tuner (timing, or its disk cache). `traced`: args are fake (the op is being traced
-    for Inductor); candidates are timed on random stand-ins of the same shapes, and there may be none."""
-    precision = matmul_precision(args.linear.x.dtype, args.kernel.fp32_matmul)
-    key = ChoiceKey.of(args, precision, traced)
-    chosen = _CHOSEN.get(key, _NOT_CHOSEN)
-    if chosen is not _NOT_CHOSEN:
-        return chosen
-    candidates = implementations(args, precision, traced)
-    chosen = None
-    if candidates:
-        # Traced, the candidates run for real, on stand-ins made once (only if one must be timed).
-        timed_args = functools.cache(lambda: stand_ins(args)) if traced else (lambda: args)
-        name = tune(key.describe(), args.linear.x.device,
-                    {name: _runner(run, timed_args) for name, run in candidates.items()}, traced)
-        chosen = candidates[name]
-    remember(_CHOSEN, key, chosen, args.linear.x.device)
-    return chosen
-
-
-def tune(problem: str, device: torch.device, runners: dict[str, Callable[[], object]], traced: bool) -> str:
-    """The tuner's choice among `runners` (each runs one candidate on real inputs). Traced, they run
-    outside the tracing modes, for real."""
-    with real_tensors() if traced else contextlib.nullcontext():
-        return TUNER.choose(problem, device, runners)
-
-
-def remember(table: dict, key, chosen, device: torch.device) -> None:
-    """Keeps a choice in a per-process table, unless it was made during a CUDA graph capture, where
-    nothing could be timed."""
-    if not capturing(device):
-        table[key] = chosen
-
-
-def _runner(run: Implementation, timed_args: Callable[[], ChainArgs]) -> Callable[[], ChainOutputs]:
-    return lambda: run(timed_args())
+def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[str, Implementation]:
+    """Every way to run the op for this problem that the tuner's search times (tuning.search: the short
+    search takes each precision's gemm.shortlist), by name, the default first; only those that can launch
+    for this call (Implementation.unlaunchable). Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever the
+    gemm option says. TMA tile configs are offered where the call is not traced. `traced`: only those
+    that can run inside Inductor's graph (may be none; see cublas_traceable)."""
+    x = args.linear.x
+    (rows,), in_features, out_features = problem.sizes, hint(x.shape[1]), hint(args.n_features)
+    precision = matmul_precision(x.dtype, args.kernel.fp32_matmul)
+    choice = _gemm_choice(args)
+    found = {}
+    if choice in ("auto", "triton") and precision != "ieee":
+        precisions = [precision]
+        if precision == "tf32x3":
+            precisions.append(pre_split_precision(rows * in_features, out_features * in_features))
+        # Traced, no TMA configs: torch does not capture TMA descriptors when it traces a wrap_triton
+        # launch outside Dynamo ("not yet supported", torch 2.13's triton_kernel_wrap.py), and the
+        # operands' addresses (so their alignment) are not known yet.
+        for p, config in triton_configs(precisions, x.dtype, rows, out_features, x.device, tma=not traced):
+            impl = Implementation(p, config)
+            found[impl.name] = impl
+    if (choice in ("auto", "cublas") or not found) and (not traced or cublas_traceable(precision)):
+        found["cublas"] = Implementation(precision)
+    return {name: impl for name, impl in found.items() if impl.unlaunchable(args) is None}
 
 
 def stand_ins(args: ChainArgs) -> ChainArgs:
-    """Real tensors shaped like args' (fake) ones, with values of the kind they hold, for timing."""
+    """Real tensors shaped like args' (fake) ones, at their size hints, with values of the kind they hold,
+    for timing."""
     def real(t):
         if not isinstance(t, Tensor):
             return t
-        return torch.randn(tuple(t.shape), dtype=t.dtype, device=t.device)
+        return torch.randn(tuple(hint(d) for d in t.shape), dtype=t.dtype, device=t.device)
     real_args = unflatten(real(a) for a in flatten(args))
     bn = real_args.batch_norm
     if bn.running_var is not None:  # a variance is positive
         bn = dataclasses.replace(bn, running_var=bn.running_var.abs() + 0.5)
     return dataclasses.replace(real_args, batch_norm=bn)
-
-
-def static_shapes(args: ChainArgs) -> bool:
-    return all(isinstance(size, int) for a in flatten(args) if isinstance(a, Tensor) for size in a.shape)

@@ -1,37 +1,52 @@
 """`torch.ops.fusepass.linear(x, weight, bias, kernel_fp32_matmul, kernel_gemm)`: x @ weight^T + bias for
 2-D operands of any strides, on fusepass's Triton GEMM (gemm.py, no epilogue) or on cuBLAS, whichever
-is fastest for the problem at the call's precision (timed once per problem, cached like the fused op's
-choice). Its autograd formula calls it again: dX = linear(g, W^T), dW = linear(g^T, x^T).
+is fastest for the problem at the call's precision (a tuned op, tuned_op.py: chosen per size bucket,
+cached like the chain op's choice). Its autograd formula calls it again: dX = linear(g, W^T),
+dW = linear(g^T, x^T).
 
 Two users: the fused chain's backward (its dX and dW GEMMs), and the bare-linear family (a linear
 outside any chain). In fp32 at the default precision that puts every GEMM of a training step on
 3xTF32 tensor-core math, whose error to float64 is below eager's fp32; cuBLAS at the same precision
-(IEEE fp32 there: eager's own) is always a candidate, so the op is never slower than cuBLAS.
-
-As the fused op: a triton_op whose body torch.compile traces on CUDA with static shapes; an opaque
-twin chooses when it runs; on CPU the twin is F.linear, eager's own.
+(IEEE fp32 there: eager's own) is always a candidate, so the op is never slower than cuBLAS. On CPU the
+op is F.linear, eager's own.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
 from fusepass.lowering import gemm, limits, tuning
 from fusepass.lowering.choice import (cublas_traceable, gemm_option, matmul_precision, pre_split_precision,
-                                      remember, triton_configs, tune)
+                                      triton_configs)
 from fusepass.lowering.implementations import cublas_precision
-from fusepass.lowering.launch import OPAQUE_ENV
+from fusepass.lowering.launch import hint
 from fusepass.lowering.schema import Kernel, Linear
+from fusepass.lowering.tuned_op import Declaration, TunedOp
+from fusepass.lowering.tuning import Problem, bucket
 
 OP_NAME = "fusepass::linear"
+
+
+class LinearCall(NamedTuple):
+    """The op's arguments, in its order."""
+    x: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    kernel_fp32_matmul: str
+    kernel_gemm: str
+
+    @property
+    def kernel(self) -> Kernel:
+        return Kernel(self.kernel_fp32_matmul, self.kernel_gemm)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_fp32_matmul: str, kernel_gemm: str) -> Tensor:
+    """The op's signature."""
 
 
 @dataclass(frozen=True)
@@ -49,73 +64,26 @@ class LinearImplementation:
         copies = " on K-major copies" if self.k_major_copies else ""
         return f"triton {self.precision} {self.config.describe()}{copies}"
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    def __call__(self, call: LinearCall) -> Tensor:
+        x, weight, bias = call.x, call.weight, call.bias
         if self.config is None:
-            return _on_cublas(x, weight, bias, self.precision)
+            with cublas_precision(self.precision):
+                return F.linear(x, weight, bias)
         if self.k_major_copies:
             x, weight = _k_major_copy(x), _k_major_copy(weight)
         return gemm.run_gemm(Linear(x, weight, bias), self.precision, self.config).y
 
-    def unlaunchable(self, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[str]:
+    def unlaunchable(self, call: LinearCall) -> Optional[str]:
         """Why this call cannot run on the Triton GEMM (limits.py), or None; cuBLAS always runs."""
         if self.config is None:
             return None
-        return limits.first(limits.off_device(x.device, (weight, bias)),
-                            gemm.unlaunchable(x, weight, self.precision, self.config))
+        return limits.first(limits.off_device(call.x.device, (call.weight, call.bias)),
+                            gemm.unlaunchable(call.x, call.weight, self.precision, self.config))
 
 
-def _traced_body(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_fp32_matmul: str,
-                 kernel_gemm: str) -> Tensor:
-    kernel = Kernel(kernel_fp32_matmul, kernel_gemm)
-    run = None
-    if x.device.type == "cuda" and not os.environ.get(OPAQUE_ENV):
-        _validate(x, weight, bias, kernel)
-        traced = is_fake(x)
-        if not traced or _static(x, weight, bias):
-            run = choose(x, weight, bias, kernel, traced=traced)
-    if run is None:
-        return torch.ops.fusepass.linear_opaque(x, weight, bias, kernel_fp32_matmul, kernel_gemm)
-    return _launch_checked(run, x, weight, bias)
-
-
-def _launch_checked(run: LinearImplementation, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """`run` where its kernels can launch for this call (checked on every call), else cuBLAS at its
-    precision (limits.py)."""
-    why = run.unlaunchable(x, weight, bias)
-    if why is None:
-        return run(x, weight, bias)
-    limits.record_unlaunchable(OP_NAME, why)
-    return LinearImplementation(run.precision)(x, weight, bias)
-
-
-linear = torch.library.triton_op(OP_NAME, _traced_body, mutates_args=())
-
-
-def _opaque_default(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_fp32_matmul: str,
-                    kernel_gemm: str) -> Tensor:
-    """CPU (and other devices): eager's linear."""
-    return F.linear(x, weight, bias)
-
-
-_opaque = torch.library.custom_op(OP_NAME + "_opaque", _opaque_default, mutates_args=())
-
-
-@_opaque.register_kernel("cuda")
-def _opaque_cuda(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_fp32_matmul: str,
-                 kernel_gemm: str) -> Tensor:
-    kernel = Kernel(kernel_fp32_matmul, kernel_gemm)
-    _validate(x, weight, bias, kernel)
-    return _launch_checked(choose(x, weight, bias, kernel), x, weight, bias)
-
-
-@_opaque.register_fake
-def _fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_fp32_matmul: str, kernel_gemm: str) -> Tensor:
-    _validate(x, weight, bias, Kernel(kernel_fp32_matmul, kernel_gemm))
-    return x.new_empty((x.shape[0], weight.shape[0]))
-
-
-def _validate(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: Kernel) -> None:
-    kernel.validate()
+def _validate(call: LinearCall) -> None:
+    call.kernel.validate()
+    x, weight, bias = call.x, call.weight, call.bias
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise RuntimeError(f"fusepass.linear: mat1 and mat2 shapes cannot be multiplied "
                            f"({x.shape[0]}x{x.shape[1]} and {weight.shape[1]}x{weight.shape[0]})")
@@ -123,8 +91,116 @@ def _validate(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: Kernel)
         raise RuntimeError("fusepass.linear: x, weight and bias must have the same dtype")
 
 
-def _static(*tensors: Optional[Tensor]) -> bool:
-    return all(isinstance(s, int) for t in tensors if t is not None for s in (*t.shape, *t.stride()))
+def _precision(call: LinearCall) -> str:
+    return matmul_precision(call.x.dtype, call.kernel_fp32_matmul)
+
+
+def problem(call: LinearCall, traced: bool) -> Problem:
+    """Bucket: the batch, rounded up to a power of two. Family: the other two GEMM sizes, which operand
+    dimension is contiguous, dtype, bias, precision, gemm option, traced or not."""
+    x, weight = call.x, call.weight
+    m, k, n = _gemm_sizes(call)
+    batch, others = (k, f"M={m} N={n}") if _reduces_over_batch(call) else (m, f"K={k} N={n}")
+    gemm_choice = gemm_option(x, weight, call.kernel_gemm)
+    family = (f"{OP_NAME} {others} layout={_layout(call)} dtype={str(x.dtype).removeprefix('torch.')} "
+              f"bias={call.bias is not None} precision={_precision(call)} gemm={gemm_choice}"
+              + (" traced" if traced else ""))
+    return Problem(family, (bucket(batch),))
+
+
+def _layout(call: LinearCall) -> str:
+    return "".join("k" if _k_major(t) else "m" for t in (call.x, call.weight))
+
+
+def _reduces_over_batch(call: LinearCall) -> bool:
+    """Of x (M, K) @ weight (N, K)^T the batch is M, except in a weight gradient, g^T @ x, whose two
+    operands are transposed views (neither K-major) and whose reduction K runs over the batch."""
+    return _layout(call) == "mm"
+
+
+def _gemm_sizes(call: LinearCall, problem: Optional[Problem] = None) -> tuple[int, int, int]:
+    """(M, K, N) at their hints; with `problem`, the batch at its bucket (what candidates are decided
+    from, so that every call of a bucket is offered the same ones)."""
+    m, k, n = (hint(s) for s in (call.x.shape[0], call.x.shape[1], call.weight.shape[0]))
+    if problem is None:
+        return m, k, n
+    (batch,) = problem.sizes
+    return (m, batch, n) if _reduces_over_batch(call) else (batch, k, n)
+
+
+def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, LinearImplementation]:
+    """Every way to run this linear that the tuner's search times (tuning.search), the default first: the
+    Triton GEMM in the call's precision (in fp32 3xTF32 also with the smaller operand split in memory),
+    where it can launch for these operands (limits.py), and cuBLAS at the same precision where it can
+    run traced. Never empty untraced: cuBLAS always runs.
+
+    Operands whose K is not contiguous (a backward's transposed views) start with the pre-split 3xTF32,
+    which reads the split operand K-major from memory: 88-102 TFLOP/s on an H100 where 3xTF32 split in
+    registers made 39 (tools/tune_linear.py at 1024 x 8192 -> 8192 and 16384 x 4096 -> 4096). The full
+    search also times that, and the GEMM on K-major copies of the operands."""
+    x, weight = call.x, call.weight
+    m, k, n = _gemm_sizes(call, problem)
+    precision = _precision(call)
+    gemm_choice = gemm_option(x, weight, call.kernel_gemm)
+    search = tuning.search()
+    found: list[LinearImplementation] = []
+    if gemm_choice in ("auto", "triton") and precision != "ieee":
+        k_major = _k_major(x) and _k_major(weight)
+        precisions = [precision]
+        if precision == "tf32x3":
+            pre_split = pre_split_precision(m * k, n * k)
+            precisions = [precision, pre_split] if k_major else [pre_split] + ([precision] if search == "full" else [])
+        found += [LinearImplementation(p, config) for p, config in
+                  triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
+        if not k_major and search == "full":
+            found.append(LinearImplementation(precision, gemm.gemm_configs(precision, x.dtype)[0], True))
+        found = [impl for impl in found if impl.unlaunchable(call) is None]
+    if gemm_choice in ("auto", "cublas") or not found:
+        if not traced or cublas_traceable(precision):
+            found.append(LinearImplementation(precision))
+    return {impl.name: impl for impl in found}
+
+
+def _stand_ins(call: LinearCall) -> LinearCall:
+    """Real tensors with the fake ones' shapes and strides (size hints where symbolic) and dtypes."""
+    def real(t):
+        if t is None:
+            return None
+        shape, stride = tuple(hint(s) for s in t.shape), tuple(hint(s) for s in t.stride())
+        return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).normal_()
+    return call._replace(x=real(call.x), weight=real(call.weight), bias=real(call.bias))
+
+
+def _unfused(call: LinearCall) -> Tensor:
+    """cuBLAS at the call's precision (on CPU: F.linear)."""
+    return LinearImplementation(_precision(call))(call)
+
+
+def _fake(call: LinearCall) -> Tensor:
+    return call.x.new_empty((call.x.shape[0], call.weight.shape[0]))
+
+
+def _k_major(t: Tensor) -> bool:
+    return t.stride(1) == 1 or t.shape[1] == 1
+
+
+def _k_major_copy(t: Tensor) -> Tensor:
+    return t if _k_major(t) else t.contiguous()
+
+
+LINEAR = TunedOp(Declaration(
+    name=OP_NAME,
+    signature=linear,
+    bind=lambda args, kwargs: LinearCall(*args, **kwargs),
+    flatten=tuple,
+    device=lambda call: call.x.device,
+    validate=_validate,
+    problem=problem,
+    candidates=candidates,
+    stand_ins=_stand_ins,
+    unfused=_unfused,
+    fake=_fake,
+))
 
 
 def call(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: Kernel) -> Tensor:
@@ -150,104 +226,4 @@ def _backward(ctx, grad: Tensor) -> tuple:
     return grad_x, grad_weight, grad_bias, None, None
 
 
-linear.register_autograd(_backward, setup_context=_setup_context)
-
-
-# --------------------------------------------------------------------------- choice
-
-
-class LinearKey(NamedTuple):
-    """What the choice depends on: shapes, strides' order (which dimension is contiguous), dtypes,
-    precision and options."""
-    shapes: tuple
-    k_major: tuple  # per operand: is K its contiguous dimension
-    dtype: torch.dtype
-    has_bias: bool
-    device: torch.device
-    precision: str
-    gemm: str
-    traced: bool
-
-    def describe(self) -> str:
-        (m, k), (n, _) = self.shapes
-        layout = "".join("k" if major else "m" for major in self.k_major)
-        return (f"{OP_NAME} {m}x{k}@{n}x{k}^T layout={layout} dtype={str(self.dtype).removeprefix('torch.')} "
-                f"bias={self.has_bias} precision={self.precision} gemm={self.gemm}" + (" traced" if self.traced else ""))
-
-
-_CHOSEN: dict[LinearKey, LinearImplementation] = {}
-
-
-def choose(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: Kernel,
-           traced: bool = False) -> Optional[LinearImplementation]:
-    """The fastest implementation for this problem: from the per-process table, else the tuner."""
-    precision = matmul_precision(x.dtype, kernel.fp32_matmul)
-    gemm_choice = gemm_option(x, weight, kernel.gemm)
-    key = LinearKey((tuple(x.shape), tuple(weight.shape)), (_k_major(x), _k_major(weight)), x.dtype,
-                    bias is not None, x.device, precision, gemm_choice, traced)
-    chosen = _CHOSEN.get(key)
-    if chosen is not None:
-        return chosen
-    candidates = implementations(x, weight, precision, gemm_choice, traced)
-    if not candidates:  # traced, none runs inside Inductor's graph: the opaque op chooses when it runs
-        return None
-    inputs = functools.cache(lambda: _stand_ins(x, weight, bias)) if traced else (lambda: (x, weight, bias))
-    name = tune(key.describe(), x.device, {name: _timed(run, inputs) for name, run in candidates.items()}, traced)
-    remember(_CHOSEN, key, candidates[name], x.device)
-    return candidates[name]
-
-
-def implementations(x: Tensor, weight: Tensor, precision: str, gemm_choice: str,
-                    traced: bool) -> dict[str, LinearImplementation]:
-    """Every way to run this linear that the tuner's search times (tuning.search), the default first: the
-    Triton GEMM in the call's precision (in fp32 3xTF32 also with the smaller operand split in memory),
-    where it can launch for these operands (limits.py), and cuBLAS at the same precision where it can
-    run traced. Never empty: cuBLAS untraced always runs.
-
-    Operands whose K is not contiguous (a backward's transposed views) start with the pre-split 3xTF32,
-    which reads the split operand K-major from memory: 88-102 TFLOP/s on an H100 where 3xTF32 split in
-    registers made 39 (tools/tune_linear.py at 1024 x 8192 -> 8192 and 16384 x 4096 -> 4096). The full
-    search also times that, and the GEMM on K-major copies of the operands."""
-    candidates: list[LinearImplementation] = []
-    search = tuning.search()
-    if gemm_choice in ("auto", "triton") and precision != "ieee":
-        k_major = _k_major(x) and _k_major(weight)
-        precisions = [precision]
-        if precision == "tf32x3":
-            pre_split = pre_split_precision(x, weight)
-            precisions = [precision, pre_split] if k_major else [pre_split] + ([precision] if search == "full" else [])
-        candidates += [LinearImplementation(p, config) for p, config in
-                       triton_configs(precisions, x, weight.shape[0], tma=not traced)]
-        if not k_major and search == "full":
-            candidates.append(LinearImplementation(precision, gemm.gemm_configs(precision, x.dtype)[0], True))
-        candidates = [c for c in candidates if c.unlaunchable(x, weight, None) is None]
-    if gemm_choice in ("auto", "cublas") or not candidates:
-        if not traced or cublas_traceable(precision):
-            candidates.append(LinearImplementation(precision))
-    return {c.name: c for c in candidates}
-
-
-def _on_cublas(x: Tensor, weight: Tensor, bias: Optional[Tensor], precision: str) -> Tensor:
-    with cublas_precision(precision):
-        return F.linear(x, weight, bias)
-
-
-def _k_major(t: Tensor) -> bool:
-    return t.stride(1) == 1 or t.shape[1] == 1
-
-
-def _k_major_copy(t: Tensor) -> Tensor:
-    return t if _k_major(t) else t.contiguous()
-
-
-def _timed(run: LinearImplementation, inputs: Callable[[], tuple]) -> Callable[[], Tensor]:
-    return lambda: run(*inputs())
-
-
-def _stand_ins(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple:
-    """Real tensors with the fake ones' shapes, strides and dtypes, for timing while traced."""
-    def real(t):
-        if t is None:
-            return None
-        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device).normal_()
-    return real(x), real(weight), real(bias)
+LINEAR.traced.register_autograd(_backward, setup_context=_setup_context)

@@ -1,30 +1,45 @@
-"""Picks the fastest implementation of a fused op per problem (shape, dtypes, precision, mode) by timing
-every candidate once, and remembers the choice in memory and on disk, so that a second process does not
-tune again.
+"""Picks the fastest implementation of a fused op per problem by timing every candidate once, and
+remembers the choice in memory and on disk, so that a second process does not tune again.
 
-The file is JSON, `$FUSEPASS_CACHE_DIR/tuning.json` (default `~/.cache/fusepass`), keyed by the GPU,
-the torch and triton versions, a hash of the kernels' source and the problem.
+A problem is a family (what every call of it shares: dtypes, layouts, precision, flags; the ops build
+it) and a size bucket: each GEMM dimension rounded up to a power of two. A choice serves its whole
+bucket; the kernels take the exact sizes at run time. A bucket met for the first time takes the choice
+of the nearest bucket of its family already chosen, at once, without timing: timing a bucket costs a
+stall of about 0.1 s per candidate, and a new candidate's compile a second or more. Only a family's
+first bucket is timed, unless `tune_every_bucket()` is in force (`fusepass.warmup` fills the cache for
+a list of batch sizes that way, ahead of time). Borrowed choices stay in this process; the disk keeps
+timed ones.
+
+The file is JSON, `$FUSEPASS_CACHE_DIR/tuning.json` (default `~/.cache/fusepass`): one entry per GPU,
+torch and triton versions, hash of the kernels' source and problem family, mapping each timed bucket to
+its choice.
 
 How much is timed (FUSEPASS_TUNE): by default a short list per problem (the ops build it: each GEMM
 precision's first tile config, a small-tile config where the first's tiles would leave SMs idle, and
 cuBLAS; each Triton candidate costs a kernel compile, most of a compile's time); "full" times every
 candidate; "0" times nothing and takes each problem's first candidate (the heuristic default).
+
+Counted in torch._dynamo.utils.counters["fusepass"]: "tunings" (buckets timed), "borrowed" (buckets
+that took a neighbour's choice).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 import triton
+from torch._dynamo.utils import counters
 
 log = logging.getLogger(__name__)
 CACHE_DIR_ENV = "FUSEPASS_CACHE_DIR"
@@ -38,6 +53,24 @@ def search() -> str:
     """"off", "short" (default) or "full": how many candidates the ops offer for timing (FUSEPASS_TUNE)."""
     value = os.environ.get(TUNE_ENV, "1")
     return {"0": "off", "full": "full"}.get(value, "short")
+
+
+def bucket(n: int) -> int:
+    """The size bucket of a dimension: the next power of two (0 and 1 are their own)."""
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
+class Problem(NamedTuple):
+    """What a choice depends on: a family and a bucket of sizes (each already rounded by `bucket`)."""
+    family: str
+    sizes: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"{self.family} sizes={'x'.join(map(str, self.sizes))}"
+
+    def distance(self, sizes: tuple[int, ...]) -> float:
+        """How far another bucket of the family is: the sum of the dimensions' log2 ratios."""
+        return sum(abs(math.log2(max(a, 1)) - math.log2(max(b, 1))) for a, b in zip(self.sizes, sizes))
 
 
 def cache_path() -> Path:
@@ -59,55 +92,97 @@ def environment_key(device: torch.device) -> str:
     return f"{name}|torch {torch.__version__}|triton {triton.__version__}|source {source_hash()}"
 
 
+_TUNE_EVERY_BUCKET = threading.local()
+
+
+@contextlib.contextmanager
+def tune_every_bucket() -> Iterator[None]:
+    """Within it, a bucket met for the first time is timed instead of borrowing a neighbour's choice."""
+    previous = getattr(_TUNE_EVERY_BUCKET, "on", False)
+    _TUNE_EVERY_BUCKET.on = True
+    try:
+        yield
+    finally:
+        _TUNE_EVERY_BUCKET.on = previous
+
+
+def _sizes_key(sizes: tuple[int, ...]) -> str:
+    return "x".join(map(str, sizes))
+
+
 class Tuner:
     def __init__(self) -> None:
-        self._choices: dict[str, str] = {}
+        self._choices: dict[str, dict[str, str]] = {}  # family key -> bucket -> choice (this process)
         self._lock = threading.Lock()
         self.timings: dict[str, dict[str, float]] = {}  # problem -> candidate -> median ms, this process
 
-    def cached(self, problem: str, device: torch.device) -> Optional[str]:
-        """The choice remembered for `problem` (this process, or the disk cache), without timing."""
-        key = _cache_key(problem, device)
+    def forget(self) -> None:
+        """Drops what this process remembers (the disk cache stays): tests start from a clean slate."""
         with self._lock:
-            return self._remembered(key)
+            self._choices.clear()
+            self.timings.clear()
 
-    def record(self, problem: str, device: torch.device, choice: str) -> None:
+    def cached(self, problem: Problem, device: torch.device) -> Optional[str]:
+        """The choice remembered for exactly this problem (this process, or the disk cache), without
+        timing or borrowing."""
+        with self._lock:
+            return self._family(_cache_key(problem.family, device)).get(_sizes_key(problem.sizes))
+
+    def record(self, problem: Problem, device: torch.device, choice: str) -> None:
         """Remembers a choice made without timing (here and on disk), as if timing had made it."""
         with self._lock:
-            self._remember(_cache_key(problem, device), choice)
+            self._remember(_cache_key(problem.family, device), problem.sizes, choice, on_disk=True)
 
-    def _remembered(self, key: str) -> Optional[str]:
-        return self._choices.get(key) or _read_cache().get(key)
+    def _family(self, key: str) -> dict[str, str]:
+        """The family's buckets: this process's, over the disk's."""
+        return {**_read_cache().get(key, {}), **self._choices.get(key, {})}
 
-    def _remember(self, key: str, choice: str) -> None:
-        self._choices[key] = choice
-        _write_cache(key, choice)
+    def _remember(self, key: str, sizes: tuple[int, ...], choice: str, on_disk: bool) -> None:
+        self._choices.setdefault(key, {})[_sizes_key(sizes)] = choice
+        if on_disk:
+            _write_cache(key, _sizes_key(sizes), choice)
 
-    def choose(self, problem: str, device: torch.device, candidates: dict[str, Callable[[], Any]],
+    def choose(self, problem: Problem, device: torch.device, candidates: dict[str, Callable[[], Any]],
                clock: Optional[Callable[[Callable[[], Any]], float]] = None) -> str:
-        """The name of the fastest candidate for `problem`. Candidates are side-effect-free callables
-        (each allocates its own outputs); the first is the default when timing is off or impossible.
-        `clock` times one candidate (default gpu_time)."""
-        key = _cache_key(problem, device)
+        """The name of the fastest candidate for `problem`: remembered for its bucket, else borrowed from
+        the nearest bucket of its family, else timed. Candidates are side-effect-free callables (each
+        allocates its own outputs); the first is the default when timing is off or impossible. `clock`
+        times one candidate (default gpu_time)."""
+        key = _cache_key(problem.family, device)
         with self._lock:
-            choice = self._remembered(key)
+            known = self._family(key)
+            choice = known.get(_sizes_key(problem.sizes))
             if choice in candidates:
-                self._choices[key] = choice
+                self._remember(key, problem.sizes, choice, on_disk=False)
                 return choice
+            borrowed = self._nearest(problem, known, candidates)
+            if borrowed is not None:
+                counters["fusepass"]["borrowed"] += 1
+                self._remember(key, problem.sizes, borrowed, on_disk=False)
+                return borrowed
             first = next(iter(candidates))
             if search() == "off" or capturing(device):
                 return first  # timing inside a CUDA graph capture is impossible; not remembered
             times = _time_candidates(candidates, clock or gpu_time)
-            self.timings[problem] = times
+            counters["fusepass"]["tunings"] += 1
+            self.timings[problem.describe()] = times
             choice = min(times, key=times.get) if times else first
-            log.info("fusepass tuning %s: %s", problem,
+            log.info("fusepass tuning %s: %s", problem.describe(),
                      ", ".join(f"{name} {ms:.4f} ms" for name, ms in sorted(times.items(), key=lambda i: i[1])))
-            self._remember(key, choice)
+            self._remember(key, problem.sizes, choice, on_disk=True)
             return choice
 
+    @staticmethod
+    def _nearest(problem: Problem, known: dict[str, str], candidates: dict) -> Optional[str]:
+        if getattr(_TUNE_EVERY_BUCKET, "on", False):
+            return None
+        usable = [(problem.distance(tuple(int(d) for d in sizes.split("x"))), sizes) for sizes, choice in known.items()
+                  if choice in candidates and sizes]
+        return known[min(usable)[1]] if usable else None
 
-def _cache_key(problem: str, device: torch.device) -> str:
-    return f"{environment_key(device)}|{problem}"
+
+def _cache_key(family: str, device: torch.device) -> str:
+    return f"{environment_key(device)}|{family}"
 
 
 def capturing(device: torch.device) -> bool:
@@ -162,20 +237,22 @@ def _flush_ms(cache: torch.Tensor) -> float:
     return _FLUSH_MS[key]
 
 
-def _read_cache() -> dict[str, str]:
+def _read_cache() -> dict[str, dict[str, str]]:
     try:
-        return json.loads(cache_path().read_text())
+        entries = json.loads(cache_path().read_text())
     except (OSError, ValueError):
         return {}
+    return {key: value for key, value in entries.items() if isinstance(value, dict)}
 
 
-def _write_cache(key: str, choice: str) -> None:
-    """Merges one entry into the cache file, replacing it atomically (parallel processes may write)."""
+def _write_cache(key: str, sizes: str, choice: str) -> None:
+    """Merges one bucket's choice into the cache file, replacing it atomically (parallel processes may
+    write)."""
     path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         entries = _read_cache()
-        entries[key] = choice
+        entries.setdefault(key, {})[sizes] = choice
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
             json.dump(entries, tmp, indent=1, sort_keys=True)
         os.replace(tmp.name, path)

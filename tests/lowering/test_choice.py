@@ -1,18 +1,22 @@
-"""The choice of implementation: GEMM precision from torch's flags, the candidates per option, and the
-per-problem memory of what was chosen."""
+"""The chain op's problem and candidates: GEMM precision from torch's flags, the candidates per option,
+the size bucket, and the op's per-process memory of what was chosen."""
 
 import dataclasses
 
 import torch
 
-from fusepass.lowering import choice, gemm
+from fusepass.lowering import choice, gemm, op
 from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.schema import Kernel, Linear
 from tests.lowering.cases import assert_like_eager, make_args
 
 
-def with_operands(args, x, weight, gemm_option="auto"):
-    return dataclasses.replace(args, linear=Linear(x, weight, None), kernel=Kernel(gemm=gemm_option))
+def with_operands(args, x, weight, gemm_option="auto", fp32_matmul="tf32x3"):
+    return dataclasses.replace(args, linear=Linear(x, weight, None), kernel=Kernel(fp32_matmul, gemm_option))
+
+
+def candidates(args, traced=False):
+    return choice.candidates(args, choice.problem(args, traced), traced)
 
 
 def test_matmul_precision_follows_torch_tf32_flag():
@@ -33,46 +37,77 @@ def test_candidates_per_choice():
     args = make_args(8, 16, 4)
     x = args.linear.x
     square = with_operands(args, x, x)
-    auto = choice.implementations(square, "tf32x3")
+    auto = candidates(square)
     assert "cublas" in auto and any(name.startswith("triton tf32x3") for name in auto)
     assert any(name.startswith("triton split_w") for name in auto)  # x as large as W: W is split
     wide = make_args(8, 16, 32).linear.weight  # W larger than x: x is split, in memory
-    names = choice.implementations(with_operands(args, x, wide, "triton"), "tf32x3")
+    names = candidates(with_operands(args, x, wide, "triton"))
     assert {name.split()[1] for name in names} == {"tf32x3", "split_x"}
-    assert list(choice.implementations(with_operands(args, x, x, "cublas"), "tf32x3")) == ["cublas"]
-    assert "cublas" not in choice.implementations(with_operands(args, x, x, "triton"), "tf32")
-    assert list(choice.implementations(with_operands(args, x, x, "triton"), "ieee")) == ["cublas"]
+    assert list(candidates(with_operands(args, x, x, "cublas"))) == ["cublas"]
+    assert list(candidates(with_operands(args, x, x, "triton", fp32_matmul="ieee"))) == ["cublas"]
     assert any(name.endswith(" tma") for name in auto)  # 16 fp32 per row: 16-byte aligned rows
     unaligned = make_args(8, 17, 4).linear.x[:, 1:]
-    assert not any(name.endswith(" tma") for name in choice.implementations(
-        with_operands(args, unaligned, unaligned), "tf32x3"))
+    assert not any(name.endswith(" tma") for name in candidates(with_operands(args, unaligned, unaligned)))
     # 2^32 outputs: past the kernels' 32-bit offsets, the GEMM's and the passes' alike (the op then runs
     # the unfused math: tests/lowering/test_limits.py)
     meta = make_args(8, 16, 4, device="meta")
     huge = torch.empty(2**16, 2**15, device="meta")
-    assert choice.implementations(with_operands(meta, huge, huge), "tf32x3") == {}
+    assert candidates(with_operands(meta, huge, huge)) == {}
     wide = torch.empty(2**16 + 1, 2**15, device="meta"), torch.empty(2**10, 2**15, device="meta")
-    assert list(choice.implementations(with_operands(meta, *wide), "tf32x3")) == ["cublas"]  # the GEMM's x alone
+    assert list(candidates(with_operands(meta, *wide))) == ["cublas"]  # the GEMM's x alone
+
+
+def test_tf32_triton_only_offers_no_cublas():
+    args = make_args(8, 16, 4)
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        tf32 = candidates(with_operands(args, args.linear.x, args.linear.weight, "triton"))
+        assert tf32 and "cublas" not in tf32 and all(name.startswith("triton tf32 ") for name in tf32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+
+
+def test_problem_buckets_the_rows_and_keeps_the_rest():
+    """Rows rounded up to a power of two: every batch of 513 to 1024 rows is one problem. The features, a
+    flag, a dtype or a tensor's kind make another family."""
+    base = choice.problem(make_args(777, 24, 40), traced=False)
+    assert base.sizes == (1024,)
+    assert choice.problem(make_args(1000, 24, 40), traced=False) == base
+    assert choice.problem(make_args(513, 24, 40), traced=False) == base
+    assert choice.problem(make_args(512, 24, 40), traced=False) == base._replace(sizes=(512,))
+    for other in (make_args(777, 24, 40, training=False), make_args(777, 24, 40, scale="single"),
+                  make_args(777, 24, 40, dtype=torch.float16), make_args(777, 20, 40), make_args(777, 24, 33)):
+        assert choice.problem(other, traced=False).family != base.family
+    assert choice.problem(make_args(777, 24, 40), traced=True).family != base.family
+    assert "1.3" not in base.family  # float values change no kernel
+
+
+def test_candidates_are_the_same_for_every_call_of_a_bucket():
+    """Decided from the bucket: 777 and 1000 rows (both in 1024's) are offered the same, though the
+    exact sizes would split x for one and W for the other."""
+    small, large = make_args(777, 24, 1000), make_args(1000, 24, 1000)
+    assert list(candidates(small)) == list(candidates(large))
 
 
 def test_every_candidate_computes_the_op():
     """What the tuner may choose among: each candidate's result is no further from float64 than eager."""
     for training in (True, False):
         args = make_args(33, 16, 20, training=training, save_linear_out=True)
-        for name, run in choice.implementations(args, "tf32x3").items():
+        for name, run in candidates(args).items():
             assert_like_eager(run(args), args)
 
 
 def test_choice_is_remembered_per_problem(monkeypatch):
     """With tuning off the default (first) candidate is chosen once per problem, then looked up."""
-    monkeypatch.setattr(choice, "_CHOSEN", {})
+    monkeypatch.setattr(op.CHAIN, "_chosen", {})
     args = make_args(12, 16, 8)
-    chosen = choice.choose_implementation(args)
+    chosen = op.CHAIN.choose(args, traced=False)
     assert chosen == Implementation("tf32x3", gemm.gemm_configs("tf32x3", torch.float32)[0])
-    assert list(choice._CHOSEN) == [choice.ChoiceKey.of(args, "tf32x3", traced=False)]
-    assert choice.choose_implementation(args) is chosen
-    choice.choose_implementation(dataclasses.replace(args, kernel=Kernel(gemm="cublas")))
-    assert len(choice._CHOSEN) == 2
+    assert list(op.CHAIN._chosen) == [(choice.problem(args, False), False)]
+    assert op.CHAIN.choose(make_args(10, 16, 8), traced=False) is chosen  # the same bucket
+    op.CHAIN.choose(dataclasses.replace(args, kernel=Kernel(gemm="cublas")), traced=False)
+    assert len(op.CHAIN._chosen) == 2
 
 
 def test_stand_ins_have_the_shapes_and_a_positive_variance():

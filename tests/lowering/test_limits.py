@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from fusepass.lowering import choice, gemm, limits, linear, op
+from fusepass.lowering import gemm, limits, linear, op
 from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.reference import reference
 from fusepass.lowering.schema import ChainOutputs, Linear, Scale
@@ -76,7 +76,7 @@ def tiny_int32(monkeypatch):
 @pytest.mark.parametrize("training", [True, False])
 def test_a_call_past_the_limits_runs_the_unfused_math(tiny_int32, training):
     args = make_args(12, 16, 8, training=training, save_linear_out=True)
-    out = op._launch_checked(args, Implementation("tf32x3", SMALL))
+    out = op.CHAIN.launch_checked(Implementation("tf32x3", SMALL), args)
     assert counters["fusepass"]["unlaunchable"] == 1
     expected = reference(args)
     for name, value in out._asdict().items():
@@ -88,13 +88,13 @@ def test_a_call_within_the_limits_runs_its_kernels(monkeypatch):
     args = make_args(12, 16, 8, save_linear_out=True)
     launched = []
     monkeypatch.setattr(Implementation, "__call__", lambda self, a: launched.append(self) or reference(a))
-    op._launch_checked(args, Implementation("tf32x3", SMALL))
+    op.CHAIN.launch_checked(Implementation("tf32x3", SMALL), args)
     assert launched == [Implementation("tf32x3", SMALL)] and counters["fusepass"]["unlaunchable"] == 0
 
 
 def test_linear_op_past_the_limits_runs_cublas(tiny_int32):
     x, w = torch.randn(12, 16, device=KERNEL_DEVICE), torch.randn(8, 16, device=KERNEL_DEVICE)
-    out = linear._launch_checked(linear.LinearImplementation("tf32x3", SMALL), x, w, None)
+    out = linear.LINEAR.launch_checked(linear.LinearImplementation("tf32x3", SMALL), linear.LinearCall(x, w, None, "tf32x3", "auto"))
     assert counters["fusepass"]["unlaunchable"] == 1 and torch.equal(out, F.linear(x, w))
 
 
@@ -102,7 +102,8 @@ def test_linear_op_with_a_tma_choice_and_a_misaligned_call_runs_cublas():
     """A choice made for aligned operands serves a later call of the same shape whose x starts 4 bytes in."""
     counters["fusepass"].clear()
     x, w = torch.randn(12, 17, device=KERNEL_DEVICE)[:, 1:], torch.randn(8, 16, device=KERNEL_DEVICE)
-    out = linear._launch_checked(linear.LinearImplementation("tf32x3", SMALL.with_tma()), x, w, None)
+    out = linear.LINEAR.launch_checked(linear.LinearImplementation("tf32x3", SMALL.with_tma()),
+                                       linear.LinearCall(x, w, None, "tf32x3", "auto"))
     assert counters["fusepass"]["unlaunchable"] == 1 and torch.equal(out, F.linear(x, w))
 
 
@@ -141,7 +142,7 @@ def test_opaque_op_with_a_tma_choice_takes_a_misaligned_call(monkeypatch):
     starting 4 bytes into its storage: that call runs the unfused math instead of failing."""
     first = gemm.gemm_configs("tf32x3", torch.float32)[0]
     monkeypatch.setattr(gemm, "gemm_configs", lambda precision, dtype: [first.with_tma(), first])
-    monkeypatch.setattr(choice, "_CHOSEN", {})
+    monkeypatch.setattr(op.CHAIN, "_chosen", {})
     counters["fusepass"].clear()
     args = make_args(64, 32, 48, device="cuda", save_linear_out=True)
     aligned = op.call(args)

@@ -31,9 +31,14 @@ def _operands(layout: str, m: int, k: int, n: int, seed: int):
 def test_triton_gemm_on_each_layout_no_further_from_float64_than_eager(layout, precision, m, k, n):
     a, b = _operands(layout, m, k, n, seed=m * k + n)
     for copies in (False, True):
-        out = linear.LinearImplementation(precision, SMALL, copies)(a, b, None)
+        out = linear.LinearImplementation(precision, SMALL, copies)(linear.LinearCall(a, b, None, "tf32x3", "auto"))
         assert_no_further_from_float64(f"{layout} copies={copies}", out, F.linear(a, b),
                                        F.linear(a.double(), b.double()))
+
+
+def _candidates(a, b, traced, fp32_matmul="tf32x3", gemm_option="auto"):
+    call = linear.LinearCall(a, b, None, fp32_matmul, gemm_option)
+    return linear.candidates(call, linear.problem(call, traced), traced)
 
 
 @pytest.mark.parametrize("search", ["off", "short", "full"])
@@ -41,20 +46,20 @@ def test_triton_gemm_on_each_layout_no_further_from_float64_than_eager(layout, p
 def test_candidates(traced, search, monkeypatch):
     monkeypatch.setenv("FUSEPASS_TUNE", {"off": "0", "short": "1", "full": "full"}[search])
     a, b = _operands("grad_weight", 64, 64, 64, seed=0)
-    names = list(linear.implementations(a, b, "tf32x3", "auto", traced))
+    names = list(_candidates(a, b, traced))
     assert names[0].startswith("triton split_w ")  # the fast default for transposed operands
     assert names[-1] == "cublas"
     assert not any(" tma" in n for n in names)  # transposed views cannot be TMA descriptors
     full = search == "full"
     assert any(n.startswith("triton tf32x3") for n in names) == full
     assert any(n.endswith("on K-major copies") for n in names) == full
-    forward = list(linear.implementations(*_operands("forward", 64, 64, 64, seed=0), "tf32x3", "auto", traced))
+    forward = list(_candidates(*_operands("forward", 64, 64, 64, seed=0), traced))
     assert forward[0].startswith("triton tf32x3 ") and any(n.startswith("triton split_") for n in forward)
     assert not any(n.endswith("on K-major copies") for n in forward)
     assert len(forward) > len(names) - full * 2
-    assert list(linear.implementations(a, b, "ieee", "auto", traced)) == ["cublas"]
-    assert list(linear.implementations(a, b, "tf32x3", "cublas", traced)) == ["cublas"]
-    assert "cublas" not in linear.implementations(a, b, "tf32x3", "triton", traced)
+    assert list(_candidates(a, b, traced, fp32_matmul="ieee")) == ["cublas"]
+    assert list(_candidates(a, b, traced, gemm_option="cublas")) == ["cublas"]
+    assert "cublas" not in _candidates(a, b, traced, gemm_option="triton")
 
 
 def test_short_search_times_fewer_configs_and_small_tiles_only_where_sms_idle():

@@ -1,11 +1,14 @@
 """The implementation chooser: fastest candidate, remembered in memory and on disk, skipped when told."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
-from fusepass.lowering import choice, tuning
+from fusepass.lowering import choice, op, tuning
+from fusepass.lowering.schema import Kernel
 from tests.chains import requires_cuda
 from tests.lowering.cases import make_args
 
@@ -33,6 +36,14 @@ def fake_timing(monkeypatch, times):
 CANDIDATES = {"a": lambda: None, "b": lambda: None, "c": lambda: None}
 
 
+def problem(name: str, *sizes: int) -> tuning.Problem:
+    return tuning.Problem(name, sizes or (1024,))
+
+
+def test_buckets_are_powers_of_two():
+    assert [tuning.bucket(n) for n in (0, 1, 2, 3, 777, 1024, 1025)] == [0, 1, 2, 4, 1024, 1024, 2048]
+
+
 def test_a_clock_given_times_each_candidate_after_one_untimed_run(cache_dir):
     runs = []
     candidates = {name: (lambda name=name: runs.append(name)) for name in "abc"}
@@ -41,46 +52,87 @@ def test_a_clock_given_times_each_candidate_after_one_untimed_run(cache_dir):
     def clock(run):
         run()
         return clock_ms[runs[-1]]
-    assert tuning.Tuner().choose("problem with a clock", CPU, candidates, clock=clock) == "b"
+    assert tuning.Tuner().choose(problem("with a clock"), CPU, candidates, clock=clock) == "b"
     assert runs == ["a", "a", "b", "b", "c", "c"]
 
 
 def test_fastest_candidate_is_chosen_and_written_to_disk(cache_dir, monkeypatch):
     calls = fake_timing(monkeypatch, {"a": 3.0, "b": 1.0, "c": 2.0})
-    assert tuning.Tuner().choose("problem 1", CPU, CANDIDATES) == "b"
-    assert len(calls) == 1
+    assert tuning.Tuner().choose(problem("problem 1", 1024, 64), CPU, CANDIDATES) == "b"
+    assert len(calls) == 1 and counters["fusepass"]["tunings"] == 1
     entries = json.loads((cache_dir / "tuning.json").read_text())
-    assert [value for key, value in entries.items() if key.endswith("|problem 1")] == ["b"]
+    assert [value for key, value in entries.items() if key.endswith("|problem 1")] == [{"1024x64": "b"}]
 
 
 def test_a_second_process_reads_the_choice_without_timing(cache_dir, monkeypatch):
     fake_timing(monkeypatch, {"a": 3.0, "b": 1.0, "c": 2.0})
-    tuning.Tuner().choose("problem 2", CPU, CANDIDATES)
+    tuning.Tuner().choose(problem("problem 2"), CPU, CANDIDATES)
     calls = fake_timing(monkeypatch, {"a": 0.1})  # would choose "a" if it timed again
-    assert tuning.Tuner().choose("problem 2", CPU, CANDIDATES) == "b"
+    assert tuning.Tuner().choose(problem("problem 2"), CPU, CANDIDATES) == "b"
     assert calls == []
+
+
+def test_a_new_bucket_borrows_the_nearest_known_one_without_timing(cache_dir, monkeypatch):
+    fake_timing(monkeypatch, {"a": 3.0, "b": 1.0, "c": 2.0})
+    tuner = tuning.Tuner()
+    tuner.choose(problem("family", 1024, 64), CPU, CANDIDATES)  # timed: b
+    fake_timing(monkeypatch, {"a": 1.0, "b": 3.0, "c": 2.0})
+    tuner.choose(problem("family", 64, 64), CPU, CANDIDATES)
+    assert counters["fusepass"]["borrowed"] == 1  # 64 rows took 1024's b, though a is faster there
+    calls = fake_timing(monkeypatch, {"c": 0.1})
+    assert tuner.choose(problem("family", 64, 64), CPU, CANDIDATES) == "b"
+    assert tuner.choose(problem("family", 2048, 64), CPU, CANDIDATES) == "b"
+    assert calls == [] and counters["fusepass"]["tunings"] == 1
+    entries = json.loads((cache_dir / "tuning.json").read_text())
+    assert list(entries.values()) == [{"1024x64": "b"}]  # borrowed choices stay in the process
+    assert tuner.choose(problem("another family", 64, 64), CPU, CANDIDATES) == "c"  # nothing to borrow
+
+
+def test_nearest_bucket_is_by_the_sizes_log_ratios(cache_dir, monkeypatch):
+    tuner = tuning.Tuner()
+    for sizes, fastest in (((16, 64), "a"), ((4096, 64), "c")):
+        fake_timing(monkeypatch, {name: 0.5 if name == fastest else 2.0 for name in "abc"})
+        with tuning.tune_every_bucket():
+            tuner.choose(problem("family", *sizes), CPU, CANDIDATES)
+    calls = fake_timing(monkeypatch, {})
+    assert tuner.choose(problem("family", 1024, 64), CPU, CANDIDATES) == "c"  # 2 doublings from 4096
+    assert tuner.choose(problem("family", 32, 64), CPU, CANDIDATES) == "a"
+    assert calls == []
+    # a neighbour whose choice is not a candidate here is passed over
+    assert tuner.choose(problem("family", 2048, 64), CPU, {"a": lambda: None, "b": lambda: None}) == "a"
+
+
+def test_tune_every_bucket_times_new_buckets(cache_dir, monkeypatch):
+    fake_timing(monkeypatch, {"a": 3.0, "b": 1.0, "c": 2.0})
+    tuner = tuning.Tuner()
+    tuner.choose(problem("family", 1024, 64), CPU, CANDIDATES)
+    calls = fake_timing(monkeypatch, {"a": 1.0, "b": 3.0, "c": 2.0})
+    with tuning.tune_every_bucket():
+        assert tuner.choose(problem("family", 64, 64), CPU, CANDIDATES) == "a"
+    assert len(calls) == 1 and counters["fusepass"]["borrowed"] == 0
+    assert json.loads((cache_dir / "tuning.json").read_text()).popitem()[1] == {"1024x64": "b", "64x64": "a"}
 
 
 def test_entries_of_several_problems_are_merged(cache_dir, monkeypatch):
     fake_timing(monkeypatch, {"a": 1.0, "b": 2.0, "c": 3.0})
-    tuning.Tuner().choose("problem 3", CPU, CANDIDATES)
+    tuning.Tuner().choose(problem("problem 3"), CPU, CANDIDATES)
     fake_timing(monkeypatch, {"a": 3.0, "b": 2.0, "c": 1.0})
-    tuning.Tuner().choose("problem 4", CPU, CANDIDATES)
-    assert sorted(json.loads((cache_dir / "tuning.json").read_text()).values()) == ["a", "c"]
+    tuning.Tuner().choose(problem("problem 4"), CPU, CANDIDATES)
+    assert sorted(v["1024"] for v in json.loads((cache_dir / "tuning.json").read_text()).values()) == ["a", "c"]
 
 
 def test_failed_candidates_are_skipped_and_a_stale_choice_is_retimed(cache_dir, monkeypatch):
     fake_timing(monkeypatch, {"c": 5.0})  # a and b failed
-    assert tuning.Tuner().choose("problem 5", CPU, CANDIDATES) == "c"
+    assert tuning.Tuner().choose(problem("problem 5"), CPU, CANDIDATES) == "c"
     calls = fake_timing(monkeypatch, {"a": 1.0})
-    assert tuning.Tuner().choose("problem 5", CPU, {"a": lambda: None}) == "a"  # "c" no longer offered
+    assert tuning.Tuner().choose(problem("problem 5"), CPU, {"a": lambda: None}) == "a"  # "c" no longer offered
     assert len(calls) == 1
 
 
 def test_tuning_off_takes_the_first_candidate(cache_dir, monkeypatch):
     monkeypatch.setenv(tuning.TUNE_ENV, "0")
     calls = fake_timing(monkeypatch, {"a": 3.0, "b": 1.0})
-    assert tuning.Tuner().choose("problem 6", CPU, CANDIDATES) == "a"
+    assert tuning.Tuner().choose(problem("problem 6"), CPU, CANDIDATES) == "a"
     assert calls == [] and not (cache_dir / "tuning.json").exists()
 
 
@@ -90,7 +142,7 @@ def test_unwritable_cache_only_logs(tmp_path, monkeypatch):
     monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(blocker))
     monkeypatch.setenv(tuning.TUNE_ENV, "1")
     fake_timing(monkeypatch, {"a": 2.0, "b": 1.0})
-    assert tuning.Tuner().choose("problem 7", CPU, CANDIDATES) == "b"
+    assert tuning.Tuner().choose(problem("problem 7"), CPU, CANDIDATES) == "b"
 
 
 @requires_cuda
@@ -98,12 +150,12 @@ def test_unwritable_cache_only_logs(tmp_path, monkeypatch):
 def test_real_tuning_of_the_op_on_gpu(cache_dir):
     """The op times its implementations once, then a fresh tuner reads the choice from disk."""
     args = make_args(256, 128, 96, device="cuda")
-    candidates = {name: (lambda run=run: run(args)) for name, run in choice.implementations(args, "tf32x3").items()}
-    problem = choice.ChoiceKey.of(args, "tf32x3", traced=False).describe()
-    chosen = tuning.Tuner().choose(problem, torch.device("cuda"), candidates)
+    key = choice.problem(args, traced=False)
+    candidates = {name: (lambda run=run: run(args)) for name, run in choice.candidates(args, key).items()}
+    chosen = tuning.Tuner().choose(key, torch.device("cuda"), candidates)
     assert chosen in candidates
-    assert list(json.loads((cache_dir / "tuning.json").read_text()).values()) == [chosen]
-    assert tuning.Tuner().choose(problem, torch.device("cuda"), {"cublas": candidates["cublas"], chosen: None}) == chosen
+    assert list(json.loads((cache_dir / "tuning.json").read_text()).values()) == [{"256": chosen}]
+    assert tuning.Tuner().choose(key, torch.device("cuda"), {"cublas": candidates["cublas"], chosen: None}) == chosen
 
 
 @requires_cuda
@@ -128,17 +180,18 @@ def test_traced_op_is_tuned_on_stand_ins(cache_dir, monkeypatch):
     (alignment is unknown), and cuBLAS only where the global TF32 flag gives the precision asked for."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    monkeypatch.setattr(choice, "_CHOSEN", {})
+    monkeypatch.setattr(op.CHAIN, "_chosen", {})
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    ieee = lambda a: dataclasses.replace(a, kernel=Kernel(fp32_matmul="ieee"))  # noqa: E731
     with FakeTensorMode():
         args = make_args(256, 128, 96, device="cuda")
-        traced = choice.implementations(args, "tf32x3", traced=True)
+        traced = choice.candidates(args, choice.problem(args, True), traced=True)
         assert not any(name.endswith(" tma") for name in traced) and "cublas" in traced
-        assert list(choice.implementations(args, "ieee", traced=True)) == ["cublas"]
-        chosen = choice.choose_implementation(args, traced=True)
+        assert list(choice.candidates(ieee(args), choice.problem(ieee(args), True), traced=True)) == ["cublas"]
+        chosen = op.CHAIN.choose(args, traced=True)
     assert chosen in traced.values()
     [key] = json.loads((cache_dir / "tuning.json").read_text())
     assert key.endswith(" traced")
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     with FakeTensorMode():
-        assert choice.implementations(args, "ieee", traced=True) == {}
+        assert choice.candidates(ieee(args), choice.problem(ieee(args), True), traced=True) == {}
