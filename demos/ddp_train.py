@@ -30,7 +30,8 @@ from tabulate import tabulate
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fusepass.bench import build_model, precision_context, problem_inputs, source_commit
+from fusepass.bench import source_commit
+from fusepass.providers import build_model, precision_context, problem_inputs
 from fusepass.problems import load_problem, problem_size, shrunk_size
 
 PROBLEMS = Path(__file__).parent / "problems"
@@ -91,7 +92,7 @@ def run_case(path: str, norm: str, precision: str, args, device: torch.device, r
         times = timed(step, args.warmup, args.steps, device)
         case["ms"][provider] = statistics.median(times)
         if provider == "fusepass":
-            fused = dict(counters["fusepass"])
+            fused = {key: counters["fusepass"][key] for key in ("graphs", "rewrites", "linears", "fallbacks")}
             case["fused"] = fused
             print(f"rank {rank}: {case['problem']} {norm} {precision}: fusepass {fused}", flush=True)
     return case

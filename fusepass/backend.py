@@ -5,7 +5,7 @@ Registered as "fusepass" through the `torch_dynamo_backends` entry point (see py
 
 What the backend did is counted in `torch._dynamo.utils.counters["fusepass"]`:
 
-- "graphs": graphs Dynamo handed to the backend (with or without a chain to fuse);
+- "graphs": graphs the backend compiled (with or without a chain to fuse; not one Dynamo restarted);
 - "rewrites": fused chains in use. A graph's rewrites count once it has compiled, and are taken back
   out if its first call fails and it falls back, so a graph that runs without fused ops adds none;
 - "linears": bare linears running on fusepass's linear op (the bare-linear family), counted likewise;
@@ -24,6 +24,7 @@ from collections import Counter
 from typing import Any, Callable, Optional
 
 import torch
+from torch._dynamo.exc import RestartAnalysis
 from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx
 from torch.fx import GraphModule
@@ -49,8 +50,13 @@ sync_batch_norm.install()
 
 def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] = None,
                      options: Optional[dict[str, Any]] = None) -> Callable:
-    opts = Options.parse(mode, options)
-    stats["graphs"] += 1
+    compiled = _compile(gm, example_inputs, Options.parse(mode, options))
+    stats["graphs"] += 1  # once the graph is done with: not a graph Dynamo asked to trace again
+    return compiled
+
+
+def _compile(gm: GraphModule, example_inputs: list, opts: Options) -> Callable:
+    """Find the matches, decide which run fused, apply them, compile: the backend's pipeline."""
     ddp.inline_chains(gm)  # a DDP piece's chains, held whole across the bucket cuts (ddp.py)
     original = copy_graph_module(gm)
     try:
@@ -63,6 +69,8 @@ def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] 
         if matches:
             mutated = mutated_input_positions(gm)
             compiled = compile_fx(gm, example_inputs, config_patches=opts.inductor_patches)
+    except RestartAnalysis:  # Dynamo's request to trace again (a symbolic float it wants specialized, say)
+        raise
     except Exception as exc:  # never break the user's model: compile it without fused ops
         return _fall_back(original, example_inputs, opts, f"rewriting or compiling failed: {exc!r}")
     counted = _count_by_family(matches)
