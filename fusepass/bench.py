@@ -46,24 +46,16 @@ from tabulate import tabulate
 from torch._dynamo.utils import counters
 from torch.utils.flop_counter import FlopCounterMode
 
+from fusepass import shape_changes
 from fusepass.lowering.tuning import TUNER
 from fusepass.numerics import no_further_than_eager, rel_error
-from fusepass.problems import MIN_SHRUNK, ProblemSizeError, Size, check_size, load_problem, problem_size, \
-    resize_problem, shrunk_size, sized_name
+from fusepass.problems import MIN_SHRUNK, ProblemSizeError, Size, check_size
+from fusepass.providers import (INPUT_SEED, PRECISIONS, PROVIDERS, BenchError, build_model, load, make_provider,
+                                precision_context, problem_inputs, problem_name, provider_call, sync, to_device)
+from fusepass.warmup import warmup
 
-PROVIDERS = ("eager", "inductor", "fusepass", "max-autotune", "inductor-cudagraphs", "fusepass-cudagraphs")
-PRECISIONS = ("fp32", "tf32", "bf16-autocast", "fp16-autocast")
 # allclose tolerances to the float64 model when --atol/--rtol are not given (KernelBench's: 1e-4 fp32, 1e-2 else).
 DEFAULT_TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "bf16-autocast": 1e-2, "fp16-autocast": 1e-2}
-# Weights and inputs must come from unrelated random streams: re-seeding with the init seed before
-# drawing inputs replays the weights' uniforms (x[i] = W[i] up to an affine map), which makes y[i, i] a
-# 30-sigma outlier and the softmax one-hot.
-INIT_SEED, INPUT_SEED = 0, 1_000_003
-PERTURB_SEED = 2_000_003
-
-
-class BenchError(Exception):
-    """Bad input: reported as one line, exit status 2."""
 
 
 @dataclass
@@ -114,149 +106,6 @@ class Config:
     results: list[Result] = field(default_factory=list)
 
 
-# --------------------------------------------------------------------------- problems
-
-
-def load(path: str, size: Optional[Size] = None, shrink: int = 1):
-    """The problem file as a module, checked to be a KernelBench problem, at `size` (batch,
-    in_features, out_features; default the file's own) divided by `shrink` (problems.shrunk_size)."""
-    if not Path(path).is_file():
-        raise BenchError(f"no such problem file: {path}")
-    try:
-        module = load_problem(path)
-    except Exception as exc:
-        raise BenchError(f"{path}: cannot be imported: {exc!r}") from exc
-    for name in ("Model", "get_inputs", "get_init_inputs"):
-        if not hasattr(module, name):
-            raise BenchError(f"{path}: defines no {name} (a KernelBench problem needs Model, get_inputs, get_init_inputs)")
-    if size is not None or shrink > 1:
-        try:
-            resize_problem(module, shrunk_size(size or problem_size(module), shrink))
-        except ProblemSizeError as exc:
-            raise BenchError(f"{path}: {exc}") from exc
-    return module
-
-
-def problem_name(path: str, module, resized: bool) -> str:
-    """The file's name; with the size it runs at when resized, so that no two sizes share a name."""
-    name = Path(path).stem
-    return sized_name(name, problem_size(module)) if resized else name
-
-
-def perturb_parameters(model: torch.nn.Module, seed: int = PERTURB_SEED) -> torch.nn.Module:
-    """Gives every parameter and batch-norm running statistic a value that a bug cannot hide behind,
-    in place, from a seeded generator of its own (the same model gets the same values on any device;
-    the global random state is not touched). A floating-point parameter or running mean gets Gaussian
-    noise of half its mean magnitude (or of 0.5 where it is all zeros: a bias, BatchNorm's beta); a
-    running variance is multiplied by exp(noise / 2), so it stays positive. Integer buffers (the
-    batch counter) are left alone."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if not tensor.is_floating_point():
-                continue
-            noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32).to(tensor.device, tensor.dtype)
-            if name.endswith("running_var"):
-                tensor.mul_(torch.exp(noise / 2))
-            else:
-                magnitude = tensor.abs().mean().item()
-                tensor.add_(noise * 0.5 * (magnitude if magnitude > 0 else 1.0))
-    return model
-
-
-def build_model(module, mode: str, device: str) -> torch.nn.Module:
-    """The problem's Model as every provider gets it: seeded initialization, perturbed parameters
-    (perturb_parameters), on `device`, in training or eval mode."""
-    torch.manual_seed(INIT_SEED)
-    model = perturb_parameters(module.Model(*module.get_init_inputs()))
-    return model.to(device).train(mode == "train")
-
-
-def problem_inputs(module, device: str, seed: int = INPUT_SEED) -> list:
-    """The problem's get_inputs() drawn under `seed`, on `device`."""
-    torch.manual_seed(seed)
-    return to_device(module.get_inputs(), device)
-
-
-def model_and_inputs(path: str, mode: str, device: str = "cuda",
-                     size: Optional[Size] = None) -> tuple[torch.nn.Module, list]:
-    """A problem file's model (build_model) and inputs (problem_inputs), at `size` if given."""
-    module = load(path, size)
-    return build_model(module, mode, device), problem_inputs(module, device)
-
-
-def to_device(values, device, dtype=None):
-    return [v.to(device, dtype) if isinstance(v, torch.Tensor) and (dtype is None or v.is_floating_point())
-            else v.to(device) if isinstance(v, torch.Tensor) else v for v in values]
-
-
-# --------------------------------------------------------------------------- precision and providers
-
-
-@contextlib.contextmanager
-def precision_context(precision: str, device: str, backward: bool = False):
-    """fp32 keeps PyTorch's default 'highest' matmul precision; tf32 allows TF32 everywhere. With
-    `backward`, only the matmul precision, which a backward follows as much as a forward (a user who
-    allows TF32 allows it for the whole step); autocast wraps forwards only, as PyTorch advises."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
-    try:
-        if precision.endswith("-autocast") and not backward:
-            dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
-            with torch.autocast(device, dtype=dtype):
-                yield
-        else:
-            yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
-
-
-def make_provider(name: str, model: torch.nn.Module) -> Callable:
-    if name == "eager":
-        return model
-    if name == "inductor":
-        return torch.compile(model)
-    if name == "fusepass":
-        return torch.compile(model, backend="fusepass")
-    if name == "max-autotune":
-        return torch.compile(model, mode="max-autotune-no-cudagraphs")
-    if name == "inductor-cudagraphs":
-        return _a_step_per_call(torch.compile(model, mode="reduce-overhead"), model)
-    if name == "fusepass-cudagraphs":
-        return _a_step_per_call(torch.compile(model, backend="fusepass", mode="reduce-overhead"), model)
-    raise BenchError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
-
-
-def _a_step_per_call(compiled: Callable, model: torch.nn.Module) -> Callable:
-    """A CUDA-graph model called the way a training loop calls it: each call begins a new step
-    (torch.compiler.cudagraph_mark_step_begin), whose replay may overwrite the previous step's outputs,
-    and first drops the previous step's gradients (as optimizer.zero_grad() does), which live in memory
-    the backward's replay overwrites: accumulating into them fails (do_bench's warm-up calls keep them)."""
-    def call(*inputs):
-        torch.compiler.cudagraph_mark_step_begin()
-        model.zero_grad(set_to_none=True)
-        return compiled(*inputs)
-    return call
-
-
-def provider_call(fn: Callable, inputs: list, *, mode: str, precision: str, device: str, backward: bool = False,
-                  upstream: Optional[torch.Tensor] = None) -> Callable[[], torch.Tensor]:
-    """One call of a provider as the benchmark makes it: fn(*inputs) in `precision`, and with
-    `backward` the backward of sum(out * upstream) (upstream 1 if not given). Eval without backward
-    is inference and runs under no_grad; train runs with grad enabled, as a training step's forward does."""
-    grad = backward or mode == "train"
-
-    def call() -> torch.Tensor:
-        with precision_context(precision, device), torch.set_grad_enabled(grad):
-            out = fn(*inputs)
-        if backward:
-            with precision_context(precision, device, backward=True):
-                (out.float() * (upstream if upstream is not None else 1.0)).sum().backward()
-        return out
-
-    return call
-
-
 def fusepass_counts() -> tuple[int, int, int]:
     """(rewrites, linears, fallbacks) fusepass's backend has counted so far in this process."""
     stats = counters["fusepass"]
@@ -274,11 +123,6 @@ def counting_fusepass(result: "Result"):
         result.fusepass_rewrites += rewrites
         result.fusepass_linears += linears
         result.fusepass_fallbacks += fallbacks
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 # --------------------------------------------------------------------------- one configuration
@@ -607,6 +451,17 @@ class ArgumentParser(argparse.ArgumentParser):
         raise BenchError(message)
 
 
+def parse_batches(text: str) -> list[int]:
+    """"1024,777,512" -> [1024, 777, 512]."""
+    try:
+        batches = [int(part) for part in text.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, not {text!r}")
+    return batches
+
+
 def parse_size(text: str) -> Size:
     """"N,K,F" -> (batch, in_features, out_features)."""
     try:
@@ -651,7 +506,18 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[list[str], Config, arg
     parser.add_argument("--rep", type=int, default=500, metavar="MS", help="timed repetitions per timing (ms)")
     parser.add_argument("--json", metavar="FILE", help="write every figure, with GPU, versions and date")
     parser.add_argument("--plot", metavar="FILE.png", help="bar chart of speedups (needs matplotlib)")
+    parser.add_argument("--batch-sequence", type=parse_batches, metavar="B,B,...",
+                        help="shape-changes mode: a loop over these batch sizes (train: a training step with an "
+                             "SGD step; eval: a forward under no_grad), each provider in a process of its own, "
+                             "the wall time of every step with compilation included")
+    parser.add_argument("--caches", nargs="+", choices=("cold", "warm"), default=["cold", "warm"],
+                        help="with --batch-sequence: empty cache directories, or those a first run filled")
+    parser.add_argument("--tune-only", action="store_true",
+                        help="fill fusepass's tuning cache for --batch-sizes (fusepass.warmup) and time nothing")
+    parser.add_argument("--batch-sizes", type=parse_batches, metavar="B,B,...", help="with --tune-only")
     args = parser.parse_args(argv)
+    if args.tune_only and not args.batch_sizes:
+        raise BenchError("--tune-only needs --batch-sizes")
     # eager first: running statistics and the float64 criterion are judged against it
     args.providers = ["eager", *(p for p in args.providers if p != "eager")]
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -672,6 +538,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     except BenchError as exc:
         return _bad_input(exc)
+    env = environment(cfg.device, sys.argv[1:] if argv is None else argv)
+    if args.tune_only:
+        return tune_only(paths, cfg, args.batch_sizes)
+    if args.batch_sequence:
+        return run_shape_changes(paths, cfg, args, env)
     try:
         if args.plot:
             try:
@@ -681,7 +552,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         results = run(paths, cfg, progress=lambda text: print(text, file=sys.stderr, flush=True))
     except BenchError as exc:
         return _bad_input(exc)
-    env = environment(cfg.device, sys.argv[1:] if argv is None else argv)
     print(f"\n{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}")
     for problem in dict.fromkeys(r.problem for r in results):
         print(f"\n{problem}")
@@ -694,6 +564,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.plot:
         write_plot(results, args.plot)
     return 0 if all(r.correct for r in results if r.provider != "eager") else 1
+
+
+def tune_only(paths: list[str], cfg: Config, batch_sizes: list[int]) -> int:
+    """fusepass.warmup for each problem, mode and precision: the tuning cache filled, nothing timed."""
+    for path in paths:
+        module = load(path, cfg.size, cfg.shrink)
+        for mode in cfg.modes:
+            for precision in cfg.precisions:
+                model, inputs = build_model(module, mode, cfg.device), problem_inputs(module, cfg.device)
+                with precision_context(precision, cfg.device):
+                    done = warmup(model, inputs, batch_sizes, train=mode == "train")
+                print(f"{path} {mode} {precision}: batch sizes {batch_sizes}, {done['tunings']} bucket(s) timed, "
+                      f"{done['graphs']} graph(s) compiled")
+    return 0
+
+
+def run_shape_changes(paths: list[str], cfg: Config, args: argparse.Namespace, env: dict) -> int:
+    """The shape-changes mode: every problem, mode and precision through --batch-sequence."""
+    print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}")
+    runs = []
+    for path in paths:
+        for mode in cfg.modes:
+            for precision in cfg.precisions:
+                results = shape_changes.compare(path, args.batch_sequence, mode, precision, cfg.providers,
+                                                args.caches, cfg.device, cfg.size, cfg.shrink)
+                print(f"\n{Path(path).stem}, {mode}, {precision}: seconds per step, compilation included")
+                print(shape_changes.format_table(results, args.batch_sequence))
+                runs.append({"problem": Path(path).stem, "mode": mode, "precision": precision,
+                             "sequence": args.batch_sequence, "results": results})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"environment": env, "shape_changes": runs}, indent=2))
+    return 0
 
 
 def _bad_input(exc: BenchError) -> int:

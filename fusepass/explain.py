@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from tabulate import tabulate
@@ -14,6 +13,7 @@ from torch.fx import GraphModule
 
 from fusepass import race
 from fusepass.ddp import inline_chains
+from fusepass.model_state import state_restored
 from fusepass.lowering.schema import Kernel
 from fusepass.pattern import Match, Miss, find_chains
 
@@ -103,31 +103,6 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
         return gm.forward
 
     recording_backend.sees_fusepass_graphs = True  # SyncBatchNorm captured, DDP's cuts kept out of chains
-    with _state_restored(model):
+    with state_restored(model):
         torch.compile(model, backend=recording_backend)(*example_inputs, **example_kwargs)
     return report
-
-
-@contextlib.contextmanager
-def _state_restored(model: torch.nn.Module) -> Iterator[None]:
-    """Puts back the values of the model's parameters and buffers, and the random-number generators'
-    states, as they were on entry. A tensor whose `.data` was replaced gets its own storage back; a
-    buffer replaced by another tensor (`self.center = ...`) gets its own tensor back."""
-    owners = {name: module for name, module in model.named_modules()}
-    saved = [(owners[name.rpartition(".")[0]], name.rpartition(".")[2], tensor, tensor.data, tensor.detach().clone())
-             for name, tensor in (*model.named_parameters(remove_duplicate=False),
-                                  *model.named_buffers(remove_duplicate=False))]
-    with torch.random.fork_rng(devices=_cuda_devices(model)):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for module, attribute, tensor, data, value in saved:
-                    if getattr(module, attribute) is not tensor:
-                        setattr(module, attribute, tensor)
-                    tensor.data = data
-                    data.copy_(value)
-
-
-def _cuda_devices(model: torch.nn.Module) -> list[int]:
-    return sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.is_cuda})

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import fusepass
 import fusepass.backend
 import fusepass.bench as bench
+import fusepass.providers as providers
 
 ROOT = Path(__file__).parent.parent
 PROBLEMS = ROOT / "demos" / "problems"
@@ -45,7 +46,7 @@ def test_cli_reports_verdicts_and_writes_json(tmp_path, capsys):
         assert r["rel_error"] < 1e-5 and r["stats_match_eager"] is True and r["allclose"] is True
         assert r["peak_mb"] is None  # not measured on CPU: null, not NaN
         expected_size = [512, 128, 128] if r["problem"].startswith("gemm_scale_batchnorm") else [32, 256, 256]
-        assert r["problem"] == bench.sized_name(r["problem"].split("@")[0], expected_size)
+        assert r["problem"] == providers.sized_name(r["problem"].split("@")[0], expected_size)
         assert r["size"] == expected_size
         # one chain per problem, compiled once per mode; nothing of fusepass's in the other providers
         assert r["fusepass_rewrites"] == (1 if r["provider"] == "fusepass" else 0) and r["fusepass_fallbacks"] == 0
@@ -256,9 +257,9 @@ def test_perturbed_parameters_are_seeded_and_nontrivial():
     first, second = (module.Model(*module.get_init_inputs()) for _ in range(2))
     second.load_state_dict(first.state_dict())
     rng_state = torch.get_rng_state()
-    bench.perturb_parameters(first)
+    providers.perturb_parameters(first)
     assert torch.equal(torch.get_rng_state(), rng_state)  # its own generator: input draws are unchanged
-    bench.perturb_parameters(second)
+    providers.perturb_parameters(second)
     for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
         assert torch.equal(a, b), name  # the same values for every provider
     bn = first.bn
@@ -327,3 +328,32 @@ def test_a_tf32_training_step_keeps_tf32_in_its_backward():
         bench.provider_call(Record.apply, [x], mode="train", precision=precision, device="cpu", backward=True)()
         assert seen == {"forward": forward, "backward": backward}
     assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_shape_changes_mode_times_every_step_of_each_provider(tmp_path, capsys):
+    """--batch-sequence: each provider in a process of its own, every step's wall time, the counters."""
+    out_json = tmp_path / "shapes.json"
+    status = bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), "--device", "cpu", "--shrink", "256",
+                         "--batch-sequence", "8,8,6", "--mode", "train", "--caches", "cold",
+                         "--providers", "eager", "fusepass", "--json", str(out_json)])
+    assert status == 0
+    [run] = json.loads(out_json.read_text())["shape_changes"]
+    assert run["sequence"] == [8, 8, 6] and [r["provider"] for r in run["results"]] == ["eager", "fusepass"]
+    for result in run["results"]:
+        assert len(result["steps"]) == 3 and all(t > 0 for t in result["steps"])
+        assert set(result["steady"]) == {"6", "8"} and result["compile_and_tune"] >= 0
+    fused = run["results"][1]["counters"]
+    assert fused["rewrites"] == 2 and fused["graphs"] == 2 and "fallbacks" not in fused  # static 8, symbolic 6
+    assert "compile+tune" in capsys.readouterr().out
+
+
+def test_tune_only_warms_each_batch_size(capsys):
+    status = bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), "--device", "cpu", "--shrink", "256",
+                         "--tune-only", "--batch-sizes", "4,9", "--mode", "eval"])
+    assert status == 0
+    assert "batch sizes [4, 9], 0 bucket(s) timed, 2 graph(s) compiled" in capsys.readouterr().out  # CPU times none
+
+
+def test_tune_only_needs_batch_sizes(capsys):
+    assert bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), "--device", "cpu", "--tune-only"]) == 2
+    assert "--tune-only needs --batch-sizes" in capsys.readouterr().err

@@ -17,7 +17,8 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
-from fusepass.bench import add_problem_arguments, make_provider, model_and_inputs, provider_call
+from fusepass.bench import add_problem_arguments
+from fusepass.providers import make_provider, model_and_inputs, provider_call
 
 CACHE_COUNTERS = ("inductor", "aot_autograd")
 

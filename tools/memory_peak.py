@@ -16,7 +16,8 @@ import shutil
 
 import torch
 
-from fusepass.bench import add_problem_arguments, make_provider, model_and_inputs, provider_call
+from fusepass.bench import add_problem_arguments
+from fusepass.providers import make_provider, model_and_inputs, provider_call
 
 
 def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:

@@ -19,7 +19,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fusepass.bench import add_problem_arguments, make_provider, model_and_inputs, provider_call
+from fusepass.bench import add_problem_arguments
+from fusepass.providers import make_provider, model_and_inputs, provider_call
 
 
 def per_call_us(fn, calls: int) -> tuple[float, float]:
