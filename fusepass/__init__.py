@@ -7,7 +7,7 @@ ahead of time.
 """
 
 from fusepass import lowering  # noqa: F401  (registers torch.ops.fusepass.*)
-from fusepass.backend import FusepassFallbackWarning
+from fusepass.options import FusepassFallbackWarning
 from fusepass.explain import Report, explain
 from fusepass.warmup import warmup
 

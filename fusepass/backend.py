@@ -1,7 +1,13 @@
-"""The torch.compile backend: rewrite the Dynamo graph's chains into fused ops, then hand it to Inductor.
+"""The torch.compile backend, a pipeline over each graph Dynamo captures: find the families' chains
+(matcher.py), decide which run fused (all of them, or timing.py's verdicts with time_unfused=True),
+apply the families' replacements (rewrite.py), and compile with Inductor, falling back to unfused code
+if any of it fails.
 
 Registered as "fusepass" through the `torch_dynamo_backends` entry point (see pyproject.toml), so
 `torch.compile(model, backend="fusepass", mode=..., options=...)` works without importing fusepass.
+Importing this module (torch does, to resolve the backend's name) installs the two hooks a fusepass
+compile needs before Dynamo traces: DDPOptimizer's (ddp.py) and SyncBatchNorm's (sync_batch_norm.py).
+Both act only in compiles whose backend is fusepass's; `import fusepass` alone installs neither.
 
 What the backend did is counted in `torch._dynamo.utils.counters["fusepass"]`:
 
@@ -9,7 +15,7 @@ What the backend did is counted in `torch._dynamo.utils.counters["fusepass"]`:
 - "rewrites": fused chains in use. A graph's rewrites count once it has compiled, and are taken back
   out if its first call fails and it falls back, so a graph that runs without fused ops adds none;
 - "linears": bare linears running on fusepass's linear op (the bare-linear family), counted likewise;
-- "unfused": matches left to Inductor because its code for them measured faster (race.py);
+- "unfused": matches left to Inductor because its code for them measured faster (timing.py);
 - "fallbacks": graphs that run with the fallback compiler because rewriting, compiling or the first
   call of their fused graph failed (each also warns with FusepassFallbackWarning).
 
@@ -29,10 +35,12 @@ from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx
 from torch.fx import GraphModule
 
-from fusepass import ddp, race, sync_batch_norm
+from fusepass import ddp, sync_batch_norm, timing
+from fusepass.compile_context import mark_fusepass_backend
 from fusepass.explain import Report, write_debug_dump
-from fusepass.options import Options
-from fusepass.rewrite import UNFUSED_REASON, copy_graph_module, rewrite
+from fusepass.matcher import find_chains
+from fusepass.options import FusepassFallbackWarning, Options
+from fusepass.rewrite import apply, copy_graph_module
 
 log = logging.getLogger(__name__)
 stats = counters["fusepass"]  # "graphs", "rewrites", "linears", "unfused", "fallbacks": see the module docstring
@@ -40,14 +48,8 @@ stats = counters["fusepass"]  # "graphs", "rewrites", "linears", "unfused", "fal
 _failed_dump_dirs: set[str] = set()
 
 
-class FusepassFallbackWarning(UserWarning):
-    """A graph could not use fused ops and runs with the fallback compiler instead."""
 
-
-ddp.install()
-sync_batch_norm.install()
-
-
+@mark_fusepass_backend
 def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] = None,
                      options: Optional[dict[str, Any]] = None) -> Callable:
     compiled = _compile(gm, example_inputs, Options.parse(mode, options))
@@ -56,11 +58,16 @@ def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] 
 
 
 def _compile(gm: GraphModule, example_inputs: list, opts: Options) -> Callable:
-    """Find the matches, decide which run fused, apply them, compile: the backend's pipeline."""
+    """Find, decide, apply, compile; the graph unfused through the fallback compiler if any step fails."""
     ddp.inline_chains(gm)  # a DDP piece's chains, held whole across the bucket cuts (ddp.py)
     original = copy_graph_module(gm)
     try:
-        matches, misses = rewrite(gm, opts.kernel, opts.families, _decider(gm, example_inputs, opts))
+        matches, misses = find_chains(gm.graph, opts.families)
+        if opts.time_unfused:
+            compile_candidate = timing.compiler_without(opts.inductor_patches, compile_fx)
+            matches, left_to_inductor = timing.keep_faster(gm, matches, example_inputs, opts.kernel, compile_candidate)
+            misses += left_to_inductor
+        apply(gm, matches, opts.kernel)
         report = Report()
         report.add_graph(matches, misses)
         log.info("%s", report)
@@ -75,23 +82,14 @@ def _compile(gm: GraphModule, example_inputs: list, opts: Options) -> Callable:
         return _fall_back(original, example_inputs, opts, f"rewriting or compiling failed: {exc!r}")
     counted = _count_by_family(matches)
     stats.update(counted)
-    left_to_inductor = sum(miss.reason.startswith(UNFUSED_REASON) for miss in misses)
-    if left_to_inductor:
-        stats["unfused"] += left_to_inductor
+    unfused = sum(miss.reason.startswith(timing.LEFT_TO_INDUCTOR) for miss in misses)
+    if unfused:
+        stats["unfused"] += unfused
     if not matches:  # nothing of fusepass's in this graph: plain Inductor, its errors its own
         return compile_fx(gm, example_inputs, config_patches=opts.inductor_patches)
     return _FirstCallGuard(compiled, mutated, lambda exc: _fall_back(
         original, example_inputs, opts, f"the fused graph failed on its first call: {exc!r}",
         not_used=counted))
-
-
-def _decider(gm: GraphModule, example_inputs: list, opts: Options) -> Optional[Callable]:
-    """Times each match against Inductor's code for its nodes (race.py), unless the options say not to.
-    rewrite() decides every match before it replaces any, so each is extracted from the graph as given."""
-    if not opts.time_unfused:
-        return None
-    compile_candidate = race.compiler_without(opts.inductor_patches, compile_fx)
-    return lambda match: race.decide(gm, match, example_inputs, opts.kernel, compile_candidate)
 
 
 def _count_by_family(matches: list) -> Counter:
@@ -160,3 +158,7 @@ class _FirstCallGuard:
             result = self._compiled(*args)
         self._checked = True
         return result
+
+
+ddp.install()
+sync_batch_norm.install()

@@ -20,8 +20,11 @@ from typing import Any, Callable
 
 from torch.fx import Graph, GraphModule, Node
 
+from torch._dynamo.backends.distributed import DDPOptimizer
+
 from fusepass.compile_context import fusepass_kwargs
-from fusepass.pattern import Match, find_chains
+from fusepass.matcher import Match, find_chains
+from fusepass.options import FusepassFallbackWarning, Options
 
 
 class ChainCall:
@@ -102,8 +105,6 @@ def inline_chains(gm: GraphModule) -> int:
 def _group_or_leave(gm: GraphModule, kwargs: dict) -> None:
     """Groups gm's chains in place. If finding them fails, gm is left as it is (with one warning): the
     split goes on as torch does it, and only chains that a cut falls into stay unfused."""
-    from fusepass.backend import FusepassFallbackWarning
-    from fusepass.options import Options
     try:
         families = Options.parse(kwargs.get("mode"), kwargs.get("options")).families
         matches, _ = find_chains(gm.graph, families)
@@ -115,8 +116,7 @@ def _group_or_leave(gm: GraphModule, kwargs: dict) -> None:
 
 
 def install() -> None:
-    """Wraps DDPOptimizer.compile_fn once per process (fusepass.backend calls this on import)."""
-    from torch._dynamo.backends.distributed import DDPOptimizer
+    """Wraps DDPOptimizer.compile_fn once per process (fusepass.backend and explain() call this)."""
     split_and_compile = DDPOptimizer.compile_fn
     if getattr(split_and_compile, "fusepass_groups_chains", False):
         return

@@ -11,11 +11,12 @@ import torch
 from tabulate import tabulate
 from torch.fx import GraphModule
 
-from fusepass import race
-from fusepass.ddp import inline_chains
-from fusepass.model_state import state_restored
+from fusepass import ddp, sync_batch_norm, timing
+from fusepass.compile_context import mark_fusepass_backend
+from fusepass.families import FAMILIES
 from fusepass.lowering.schema import Kernel
-from fusepass.pattern import Match, Miss, find_chains
+from fusepass.matcher import Match, Miss, find_chains, source_line
+from fusepass.model_state import state_restored
 
 _dump_counter = itertools.count()
 
@@ -23,7 +24,7 @@ _dump_counter = itertools.count()
 def describe_match(match: Match, graph_index: int) -> dict[str, Any]:
     """A match as explain() lists it: where, which member of its family, and what its family says of it."""
     return {"graph": graph_index, "pattern": match.pattern, "nodes": [n.name for n in match.nodes],
-            **match.family.describe(match), "verdict": match.verdict}
+            "source": source_line(match.last), **match.family.describe(match), "verdict": match.verdict}
 
 
 def describe_miss(miss: Miss, graph_index: int) -> dict[str, Any]:
@@ -52,14 +53,14 @@ class Report:
         lines = [f"fusepass: {len(self.matches)} rewrite(s), {len(self.misses)} miss(es) "
                  f"in {self.graphs} graph(s)"]
         if self.matches:
-            rows = [[m["graph"], m["pattern"], " -> ".join(m["nodes"]),
+            rows = [[m["graph"], m["pattern"], os.path.basename(m["source"]) or "-", " -> ".join(m["nodes"]),
                      f"{m['shapes']['x']} @ {m['shapes']['weight']} -> {m['shapes']['out']}",
                      f"{m['dtypes']['x']} / {m['dtypes']['linear']} / {m['dtypes']['out']}",
                      _mode(m["training"]), m["tail"], m["verdict"] or "-"] for m in self.matches]
-            lines += ["", "Matches:", tabulate(rows, headers=["graph", "pattern", "nodes", "x @ W -> out",
+            lines += ["", "Matches:", tabulate(rows, headers=["graph", "pattern", "source", "nodes", "x @ W -> out",
                                                               "dtypes x/linear/out", "mode", "tail",
                                                               "fused or Inductor's"],
-                                               maxcolwidths=[None] * 6 + [40, 60])]
+                                               maxcolwidths=[None] * 7 + [40, 60])]
         if self.misses:
             rows = [[m["graph"], m["node"], m["reason"]] for m in self.misses]
             lines += ["", "Misses:", tabulate(rows, headers=["graph", "node", "reason"], maxcolwidths=[None, None, 80])]
@@ -77,9 +78,18 @@ def write_debug_dump(debug_dir: str, before: GraphModule, after: GraphModule, re
     for suffix, gm in (("before", before), ("after", after)):
         with open(f"{prefix}_{suffix}.py", "w") as f:
             f.write(gm.print_readable(print_output=False))
+            f.write(_sources(gm))
     with open(f"{prefix}_report.txt", "w") as f:
         f.write(str(report) + "\n")
     return prefix
+
+
+def _sources(gm: GraphModule) -> str:
+    """A comment block naming, for each node that replaced others, every source line it came from."""
+    lines = [f"#   {node.name}: {', '.join(node.meta['fusepass_sources'])}"
+             for node in gm.graph.nodes if node.meta.get("fusepass_sources") and node.op == "call_function"
+             and not node.name.startswith(("getitem", "copy_"))]
+    return "\n# fusepass: the source lines each fused op replaced\n" + "\n".join(lines) + "\n" if lines else ""
 
 
 def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any) -> Report:
@@ -89,20 +99,22 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
     each graph Dynamo captures (the graphs run as they are). Whatever the forward changes is put back
     afterwards: every parameter's and buffer's value (batch norm's running statistics, an EMA on `.data`
     inside forward) and the random-number generators' states. The model is not copied: a weight-normed
-    module refuses deepcopy. Each match's verdict (fused, or left to Inductor's faster code: race.py) is
+    module refuses deepcopy. Each match's verdict (fused, or left to Inductor's faster code: timing.py) is
     the one cached from a compile with time_unfused=True, or why there is none (not timed, or not yet).
     """
     report = Report()
 
+    @mark_fusepass_backend  # SyncBatchNorm captured, DDP's cuts kept out of chains, as fusepass's compiles
     def recording_backend(gm: GraphModule, _example_inputs):
-        inline_chains(gm)  # a DDP piece's chains, held whole across the bucket cuts (ddp.py)
-        matches, misses = find_chains(gm.graph)
+        ddp.inline_chains(gm)  # a DDP piece's chains, held whole across the bucket cuts (ddp.py)
+        matches, misses = find_chains(gm.graph, FAMILIES)
         for match in matches:
-            match.verdict = race.recorded(gm, match, Kernel())
+            match.verdict = timing.recorded(gm, match, Kernel())
         report.add_graph(matches, misses)
         return gm.forward
 
-    recording_backend.sees_fusepass_graphs = True  # SyncBatchNorm captured, DDP's cuts kept out of chains
+    ddp.install()
+    sync_batch_norm.install()
     with state_restored(model):
         torch.compile(model, backend=recording_backend)(*example_inputs, **example_kwargs)
     return report

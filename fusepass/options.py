@@ -15,6 +15,10 @@ from fusepass.families.bare_linear import FAMILY as BARE_LINEAR
 from fusepass.lowering.schema import Kernel
 from fusepass.lowering.tuning import source_hash
 
+class FusepassFallbackWarning(UserWarning):
+    """A graph could not use fused ops and runs with the fallback compiler instead."""
+
+
 DEBUG_DIR_ENV = "FUSEPASS_DEBUG_DIR"
 TIME_UNFUSED_ENV = "FUSEPASS_TIME_UNFUSED"  # "1": time_unfused=True unless the options say otherwise
 FALLBACKS = ("inductor", "eager")

@@ -363,7 +363,7 @@ def test_failed_rewrite_falls_back_with_one_warning(monkeypatch, fallback):
     def broken_rewrite(gm, *args):
         raise RuntimeError("simulated rewrite failure")
 
-    monkeypatch.setattr(fusepass.backend, "rewrite", broken_rewrite)
+    monkeypatch.setattr(fusepass.backend, "apply", broken_rewrite)
     torch.manual_seed(7)
     with pytest.warns(FusepassFallbackWarning) as caught:
         trio = Trio.of(ChainModel(), options={"fallback": fallback}, **UNFUSED)
@@ -433,7 +433,8 @@ def test_fused_graph_failing_falls_back_and_takes_its_rewrites_back(monkeypatch,
     # No pre-BN scale and no linear bias: unfused, their training gradients would be rounding noise.
     trio = Trio.of(ChainModel(40, 24, scale=None, bias=False, scale_after="single"), **UNFUSED)
     trio.train(training)
-    with pytest.warns(FusepassFallbackWarning, match=f"simulated {'compile' if how == 'compile' else 'first-call'} failure"):
+    failure = "compile" if how == "compile" else "first-call"
+    with pytest.warns(FusepassFallbackWarning, match=f"simulated {failure} failure"):
         trio.step(make_input(11, 40))
     for _ in range(2):
         trio.step(make_input(11, 40))

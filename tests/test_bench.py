@@ -199,7 +199,7 @@ def test_fusepass_fallback_is_reported_wrong(tmp_path, monkeypatch):
     def failing_rewrite(*args, **kwargs):
         raise RuntimeError("rewrite fails for this test")
 
-    monkeypatch.setattr(fusepass.backend, "rewrite", failing_rewrite)
+    monkeypatch.setattr(fusepass.backend, "apply", failing_rewrite)
     out_json = tmp_path / "bench.json"
     with pytest.warns(fusepass.FusepassFallbackWarning):
         status = bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), *FAST, "--json", str(out_json)])

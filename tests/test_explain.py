@@ -1,5 +1,7 @@
 """fusepass.explain() and the debug dump of rewritten graphs."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -86,3 +88,27 @@ def test_unwritable_debug_dir_warns_once_and_still_fuses(tmp_path):
     assert dump_warnings[0].category is UserWarning  # not a FusepassFallbackWarning: nothing fell back
     assert not debug_dir.exists() and blocker.read_text() == "not a directory\n"
     assert_fused(rewrites=2, graphs=2)
+
+
+def test_the_dump_and_the_report_name_each_fused_ops_source_lines(tmp_path):
+    """The nodes that replace a chain carry where it came from: the dump's rewritten graph prints the
+    chain's last source line above the fused op (no node without one) and lists every line the fused op
+    replaced; the report names the chain's last line."""
+    torch.compile(ChainModel(), backend="fusepass", options={"debug_dir": str(tmp_path)})(make_input(8, 32))
+    [after] = tmp_path.glob("graph_*_after.py")
+    code = after.read_text()
+    assert "No stacktrace found" not in code
+    [listed] = [line for line in code.splitlines() if line.startswith("#   linear_scale_batch_norm_default: ")]
+    sources = listed.split(": ", 1)[1].split(", ")
+    chains = str(Path(__file__).parent / "chains.py")
+    # linear, the multiply (its innermost frame: inside ChainModel._mul), batch norm
+    assert sources == [f"{chains}:{_line_of('y = self.linear(x)')}",
+                       f"{chains}:{_line_of('return torch.mul(a, b) if self.torch_mul else a * b')}",
+                       f"{chains}:{_line_of('y = self.bn(y)')}"]
+    [match] = fusepass.explain(ChainModel(), make_input(8, 32)).matches
+    assert match["source"] == f"{chains}:{_line_of('y = self.bn(y)')}"
+
+
+def _line_of(text: str) -> int:
+    source = (Path(__file__).parent / "chains.py").read_text().splitlines()
+    return next(i + 1 for i, line in enumerate(source) if line.strip() == text)

@@ -10,13 +10,20 @@ import torch.nn.functional as F
 from fusepass.families import linear_batch_norm
 from fusepass.families.linear_batch_norm import FUSED_OP
 from fusepass.lowering.schema import Kernel
-from fusepass.pattern import find_chains
-from fusepass.rewrite import rewrite
+from fusepass.matcher import find_chains
+from fusepass.rewrite import apply
 from tests.chains import Between, ChainModel, SecondUser, ThreeD, TwoChains, make_input
 
 # The chain family alone: what these tests match and count (tests/test_bare_linear.py has the linears
 # a chain leaves over).
 CHAINS = (linear_batch_norm.FAMILY,)
+
+
+def rewrite(gm, kernel=Kernel(), families=CHAINS):
+    """The backend's find and apply stages on gm: (matches, misses)."""
+    matches, misses = find_chains(gm.graph, families)
+    apply(gm, matches, kernel)
+    return matches, misses
 
 
 def dynamo_graphs(model, *inputs):

@@ -17,7 +17,8 @@ import torch
 from torch.fx import Graph, Node
 
 from fusepass.lowering.schema import Kernel
-from fusepass.pattern import LINEAR_TARGETS, ChainFamily, LinearArgs, Match, NoMatch, Step, meta_value, parse_linear
+from fusepass.families.linear import LINEAR_TARGETS, LinearArgs, parse_linear
+from fusepass.matcher import ChainFamily, Match, NoMatch, Step, carry_sources, meta_value
 
 FUSED_OP = torch.ops.fusepass.linear.default
 
@@ -46,6 +47,7 @@ def replace(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Kern
     with graph.inserting_before(last):
         out = graph.call_function(FUSED_OP, (x, lin.weight, lin.bias, kernel.fp32_matmul, kernel.gemm))
     out.meta.update(last.meta)
+    carry_sources([out], match.nodes)
     last.replace_all_uses_with(out)
     graph.erase_node(last)
     return out

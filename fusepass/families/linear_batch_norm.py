@@ -10,18 +10,124 @@ increment stays in the graph.
 
 from __future__ import annotations
 
+import inspect
 import operator
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch.fx import Graph, Node
 
+from fusepass.families.linear import (LINEAR_TARGETS, MATMUL_TARGETS, SUPPORTED_DTYPES, check_tensor, parse_head,
+                                      scale_like)
+from fusepass.families.tail import (DROPOUT_TARGETS, SOFTMAX_TARGETS, TAIL_TARGETS, TailArgs, grow_tail,
+                                    parse_identity_dropout)
 from fusepass.lowering.pointwise import MAX_TAIL_TENSORS
 from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Kernel, Linear, Scale, Tail, flatten
-from fusepass.pattern import (ADD_TARGETS, BATCH_NORM_TARGETS, DROPOUT_TARGETS, LINEAR_TARGETS, MATMUL_TARGETS,
-                              MUL_TARGETS, SOFTMAX_TARGETS, TAIL_TARGETS, ChainFamily, Match, ScaleArgs, Step, TailArgs,
-                              grow_tail, meta_value, parse_batch_norm, parse_bias, parse_head, parse_identity_dropout,
-                              parse_scale, parse_softmax)
+from fusepass.matcher import ChainFamily, Match, NoMatch, Step, bind_arguments, carry_sources, is_call, meta_value
+from fusepass.sync_batch_norm import sync_batch_norm
+
+ADD_TARGETS = (operator.add, torch.add, torch.Tensor.add)
+MUL_TARGETS = (operator.mul, torch.mul, torch.Tensor.mul)
+BATCH_NORM_TARGETS = (F.batch_norm, sync_batch_norm)  # the second: a SyncBatchNorm (sync_batch_norm.py)
+
+# --------------------------------------------------------------------------- steps
+@dataclass(frozen=True)
+class BiasArgs:
+    bias: Node  # a tensor of shape (out_features,), added to a matmul head's output
+
+
+@dataclass(frozen=True)
+class ScaleArgs:
+    scale: Union[Node, float]  # a tensor of shape (F,), (1,) or (), or a Python number
+
+
+@dataclass(frozen=True)
+class BatchNormArgs:
+    running_mean: Optional[Node]
+    running_var: Optional[Node]
+    weight: Optional[Node]
+    bias: Optional[Node]
+    training: bool
+    momentum: float
+    eps: float
+    group_name: str = ""  # a SyncBatchNorm's process group
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return ("sync_batch_norm",) if self.group_name else ("batch_norm",)
+
+
+@dataclass(frozen=True)
+class SoftmaxArgs:
+    dtype: Optional[torch.dtype]  # softmax's dtype= argument; the op takes eager's result dtype anyway
+
+
+def parse_bias(node: Node) -> list[tuple[BiasArgs, Optional[Node]]]:
+    """`x @ W + b` (either order) with b of shape (out_features,): a matmul head's bias."""
+    args = bind_arguments(node, ("input", "other", "alpha"), {"alpha": 1})
+    if args["alpha"] != 1:
+        raise NoMatch(f"`{node.name}`: add with alpha")
+    for head, bias in ((args["input"], args["other"]), (args["other"], args["input"])):
+        head_value, bias_value = meta_value(head), meta_value(bias)
+        if (is_call(head, MATMUL_TARGETS) and isinstance(head_value, torch.Tensor) and head_value.dim() == 2
+                and isinstance(bias_value, torch.Tensor) and tuple(bias_value.shape) == (head_value.shape[1],)
+                and bias_value.dtype in SUPPORTED_DTYPES):
+            return [(BiasArgs(bias), head)]
+    raise NoMatch(f"`{node.name}` is not a matmul's output plus a bias of shape (out_features,)")
+
+
+def parse_scale(node: Node) -> list[tuple[ScaleArgs, Optional[Node]]]:
+    args = bind_arguments(node, ("input", "other"), {})
+    interpretations = []
+    for chain, scale in ((args["input"], args["other"]), (args["other"], args["input"])):
+        chain_value = meta_value(chain)
+        if not isinstance(chain_value, torch.Tensor) or chain_value.dim() != 2 or chain is scale:
+            continue
+        if scale_like(scale, chain_value.shape[-1]):
+            interpretations.append((ScaleArgs(float(scale) if not isinstance(scale, Node) else scale), chain))
+    if not interpretations:
+        raise NoMatch(
+            f"`{node.name}` multiplies by something other than a per-feature, (1,), 0-d or Python-number scale"
+        )
+    return interpretations
+
+
+def parse_batch_norm(node: Node) -> list[tuple[BatchNormArgs, Optional[Node]]]:
+    signature = inspect.signature(node.target)  # F.batch_norm's, or sync_batch_norm's: the same + group_name
+    names = tuple(signature.parameters)
+    defaults = {k: p.default for k, p in signature.parameters.items() if p.default is not inspect.Parameter.empty}
+    args = bind_arguments(node, names, defaults)
+    check_tensor(args["input"], "batch_norm input", ndim=2)
+    if not isinstance(args["training"], bool):
+        raise NoMatch(f"`{node.name}`: training flag is not a constant")
+    if not all(isinstance(args[k], (int, float)) for k in ("momentum", "eps")):
+        raise NoMatch(f"`{node.name}`: momentum and eps must be constants (momentum=None in training "
+                      "graph-breaks in Dynamo before fusepass sees it)")
+    running = (args["running_mean"], args["running_var"])
+    if (running[0] is None) != (running[1] is None):
+        raise NoMatch(f"`{node.name}`: only one of running_mean / running_var is given")
+    if not args["training"] and running[0] is None:
+        raise NoMatch(f"`{node.name}`: eval-mode batch_norm without running statistics")
+    bn = BatchNormArgs(args["running_mean"], args["running_var"], args["weight"], args["bias"],
+                       args["training"], float(args["momentum"]), float(args["eps"]), args.get("group_name", ""))
+    return [(bn, args["input"])]
+
+
+def parse_softmax(node: Node) -> list[tuple[SoftmaxArgs, Optional[Node]]]:
+    names = ("input", "dim", "_stacklevel", "dtype") if node.target is F.softmax else ("input", "dim", "dtype")
+    args = bind_arguments(node, names, {"dim": None, "_stacklevel": 3, "dtype": None})
+    check_tensor(args["input"], "softmax input", ndim=2)
+    # dim=None on 2-D input is F.softmax's implicit dim 1.
+    if args["dim"] not in (1, -1, None):
+        raise NoMatch(f"`{node.name}`: softmax over dim {args['dim']}; only the last (feature) dim is fused")
+    if args["dtype"] is not None and args["dtype"] not in SUPPORTED_DTYPES:
+        raise NoMatch(f"`{node.name}`: softmax dtype {args['dtype']} is not fused")
+    return [(SoftmaxArgs(args["dtype"]), args["input"])]
+
+
+# --------------------------------------------------------------------------- the family
 
 FUSED_OP = torch.ops.fusepass.linear_scale_batch_norm.default
 
@@ -44,6 +150,7 @@ def replace(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Kern
     another)."""
     last = match.last
     result = meta_value(last)
+    before = set(graph.nodes)
     args = _op_args(graph, match, replaced, kernel, result)
     with graph.inserting_before(last):
         fused = graph.call_function(FUSED_OP, flatten(args))
@@ -54,6 +161,7 @@ def replace(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Kern
             for name, buffer in (("new_running_mean", bn.running_mean), ("new_running_var", bn.running_var)):
                 new_value = graph.call_function(operator.getitem, (fused, ChainOutputs._fields.index(name)))
                 graph.call_method("copy_", (buffer, new_value))
+    carry_sources([n for n in graph.nodes if n not in before], match.nodes)
     last.replace_all_uses_with(out)
     for node in reversed(match.nodes):
         graph.erase_node(node)

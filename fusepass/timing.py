@@ -1,4 +1,5 @@
-"""Whether a match runs as fusepass's fused op or as the code Inductor generates for its own nodes.
+"""The backend's deciding stage: whether each match runs as fusepass's fused op or as the code Inductor
+generates for its own nodes (`keep_faster`: the matches to keep, and a miss for each left to Inductor).
 
 Each is compiled on its own from the match's nodes (the unfused one exactly as the graph has them, the
 fused one after its family's rewrite) and run on the match's inputs: the graph's own values where a
@@ -7,8 +8,8 @@ activations. Both are timed by the tuner, L2 flushed as for the fused op's imple
 from Python (tuning.launched_time), not replayed from a CUDA graph: a capture of a compiled backward
 that fails leaves CUDA's random-number generator in capture mode, and the next torch.randn fails (seen
 under bf16 autocast on an H200). Forward only where no gradient flows, forward plus backward where one
-does (the training step that will run); the faster is kept; the verdict is cached on disk with the tuner's choices, so a match is
-timed once per problem, GPU and fusepass version.
+does (the training step that will run); the faster is kept; the verdict is cached on disk with the
+tuner's choices, so a match is timed once per problem, size bucket, GPU and fusepass version.
 
 Only with the backend option time_unfused=True (off by default: it adds seconds to a first compile),
 on CUDA, with static shapes, and while the tuner times at all (FUSEPASS_TUNE=0 keeps every match fused).
@@ -34,10 +35,12 @@ from fusepass.lowering import tuning
 from fusepass.lowering.schema import Kernel
 from fusepass.lowering.tuning import TUNER, Problem, bucket
 from fusepass.numerics import no_further_than_eager, rel_error
-from fusepass.pattern import Match, meta_value
+from fusepass.matcher import Match, Miss, find_chains, meta_value
+from fusepass.rewrite import apply
 
 log = logging.getLogger(__name__)
 FUSED = "fused"
+LEFT_TO_INDUCTOR = "left to Inductor, whose code for it measured faster"
 UNFUSED = "unfused (Inductor)"
 NOT_YET_TIMED = f"{FUSED}; with the option time_unfused=True, timed against Inductor's code when first compiled"
 # Inductor options that the compiled candidates leave out: a candidate is timed as a default-mode step.
@@ -53,6 +56,21 @@ class Verdict:
 Compiler = Callable[[GraphModule, list], Callable]
 
 
+def keep_faster(gm: GraphModule, matches: list[Match], example_inputs: list, kernel: Kernel,
+                compile_fn: Compiler) -> tuple[list[Match], list[Miss]]:
+    """The matches that run fused, and a miss for each left to Inductor's faster code. Each is timed on
+    `gm` as given (before any is replaced); its verdict is kept on the match for the report."""
+    kept, left = [], []
+    for match in matches:
+        verdict = decide(gm, match, example_inputs, kernel, compile_fn)
+        match.verdict = verdict.why
+        if verdict.fused:
+            kept.append(match)
+        else:
+            left.append(Miss(match.last, f"{LEFT_TO_INDUCTOR} ({verdict.why})", match.nodes))
+    return kept, left
+
+
 def decide(gm: GraphModule, match: Match, example_inputs: list, kernel: Kernel,
            compile_fn: Compiler) -> Verdict:
     """The verdict for `match` in `gm` (not yet rewritten); `example_inputs` are the graph's inputs,
@@ -61,7 +79,7 @@ def decide(gm: GraphModule, match: Match, example_inputs: list, kernel: Kernel,
     if untimed:
         return Verdict(True, f"{FUSED}: not timed against Inductor: {untimed}")
     try:
-        return _race(gm, match, example_inputs, kernel, compile_fn)
+        return _time_both(gm, match, example_inputs, kernel, compile_fn)
     except Exception as exc:  # noqa: BLE001  (timing is an optimization: the match stays fused)
         log.warning("fusepass: timing %s against Inductor's code failed (%r); it stays fused", match.pattern, exc)
         return Verdict(True, f"{FUSED}: not timed against Inductor: {exc!r}")
@@ -84,13 +102,13 @@ def _cached(gm: GraphModule, match: Match, kernel: Kernel) -> tuple[GraphModule,
     return unfused, problem, TUNER.cached(problem, meta_value(match.last).device)
 
 
-def _race(gm: GraphModule, match: Match, example_inputs: list, kernel: Kernel, compile_fn: Compiler) -> Verdict:
+def _time_both(gm: GraphModule, match: Match, example_inputs: list, kernel: Kernel, compile_fn: Compiler) -> Verdict:
     unfused, problem, cached = _cached(gm, match, kernel)
     if cached:  # nothing to compile or run
         return Verdict(cached == FUSED, _describe(problem, cached))
     fused = extract(gm, match.nodes)
-    from fusepass.rewrite import rewrite  # rewrite imports this module's caller; keep the import local
-    rewritten, _ = rewrite(fused, kernel, (match.family,))
+    rewritten, _ = find_chains(fused.graph, (match.family,))
+    apply(fused, rewritten, kernel)
     if len(rewritten) != 1:
         return Verdict(True, f"{FUSED}: not timed against Inductor: the match does not stand alone")
     inputs = stand_ins(gm, unfused, example_inputs)
@@ -201,7 +219,7 @@ def _compiled_step(compile_fn: Compiler, sub: GraphModule, inputs: list,
     """Compiles `sub` (in a compile context of its own: the enclosing graph's compile keeps its state)
     and returns its step on `inputs`. The backward is compiled now, not at its first call: a CUDA
     backward runs on autograd's device thread, which would wait for the compile lock this thread holds
-    (seen on an H200: the race hung)."""
+    (seen on an H200: the timing hung)."""
     with _isolated(), torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
         compiled = compile_fn(sub, list(inputs))
     return lambda: _step(compiled, inputs, upstream)
@@ -253,12 +271,13 @@ def problem_key(match: Match, sub: GraphModule, kernel: Kernel) -> Problem:
     (autocast, TF32, grad mode) and the fused op's options. Bucket: its rows rounded up to a power of two,
     as the ops' choices are."""
     described = match.family.describe(match)
-    parts = [f"race {match.pattern}", f"training={described.get('training')}"]
+    parts = [f"timed {match.pattern}", f"training={described.get('training')}"]
     for node in _placeholders(sub):
         v = meta_value(node)
         if isinstance(v, torch.Tensor):
             order = ",".join(str(d) for d in sorted(range(v.dim()), key=lambda d: v.stride(d)))
-            parts.append(f"{v.dim()}d:{str(v.dtype).removeprefix('torch.')}:{order}{':grad' if v.requires_grad else ''}")
+            grad = ":grad" if v.requires_grad else ""
+            parts.append(f"{v.dim()}d:{str(v.dtype).removeprefix('torch.')}:{order}{grad}")
         else:
             parts.append(repr(v))
     autocast = (torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None)

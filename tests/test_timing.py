@@ -1,8 +1,8 @@
-"""Each match timed against Inductor's own code for its nodes (fusepass/race.py): the faster runs.
+"""Each match timed against Inductor's own code for its nodes (fusepass/timing.py): the faster runs.
 
-On CPU nothing is timed (the race is CUDA's), so these tests let it run there with a stand-in for the
+On CPU nothing is timed (the timing is CUDA's), so these tests let it run there with a stand-in for the
 tuner's clock: both candidates are still compiled and run, forward and backward, and the verdict,
-the counters, the report and the model's results are real. tests/test_race_cuda.py times for real."""
+the counters, the report and the model's results are real. Its last test times for real, on CUDA."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import fusepass
-from fusepass import race
+from fusepass import timing
+from fusepass.families import FAMILIES
+from fusepass.matcher import find_chains
 from fusepass.lowering import tuning
 from tests.chains import ChainModel, Trio, assert_fused, fusepass_stats, make_input, requires_cuda
 
@@ -25,7 +27,7 @@ class Clock:
     reports the given times; keeps what each run returned."""
 
     def __init__(self, fused_ms: float, unfused_ms: float):
-        self.times = {race.FUSED: fused_ms, race.UNFUSED: unfused_ms}
+        self.times = {timing.FUSED: fused_ms, timing.UNFUSED: unfused_ms}
         self.runs: list[tuple[str, list]] = []
 
     def __call__(self, candidates: dict, clock=None) -> dict:
@@ -38,7 +40,7 @@ class Clock:
 def clock(monkeypatch):
     """Timing as on CUDA (FUSEPASS_TUNE=1, CPU tensors allowed), with a clock each test sets."""
     monkeypatch.setenv(tuning.TUNE_ENV, "1")
-    monkeypatch.setattr(race, "_why_not_timed", lambda match: None)
+    monkeypatch.setattr(timing, "_why_not_timed", lambda match: None)
     made = []
 
     def make(fused_ms, unfused_ms):
@@ -66,7 +68,7 @@ def test_unfused_faster_leaves_the_chain_to_inductor(clock, caplog):
     assert_fused(rewrites=0, graphs=2)
     # Train and eval (both with gradients, as Trio runs them) are two problems; each candidate ran forward
     # and backward: the output and 4 gradients (x, W, gamma, beta).
-    assert [(name, len(out)) for name, out in timed.runs] == [(race.FUSED, 5), (race.UNFUSED, 5)] * 2
+    assert [(name, len(out)) for name, out in timed.runs] == [(timing.FUSED, 5), (timing.UNFUSED, 5)] * 2
     [report, _] = [r.args[0] for r in caplog.records if isinstance(r.args and r.args[0], fusepass.Report)]
     assert not report.matches
     assert [m["reason"] for m in report.misses] == [
@@ -79,7 +81,7 @@ def test_fused_faster_keeps_the_chain_fused_and_explain_shows_why(clock):
     model = ChainModel(bias=False, scale=None)  # Inductor's code must pass the numerical check to be timed
     x = make_input(16, 32).requires_grad_()  # as the training step's input: the same problem
     before = fusepass.explain(model, x)
-    assert before.matches[0]["verdict"] == race.NOT_YET_TIMED
+    assert before.matches[0]["verdict"] == timing.NOT_YET_TIMED
     trio = Trio.of(model, TIMED)
     _train_and_eval_steps(trio, batch=16)
     assert_fused(rewrites=2, graphs=2)
@@ -97,12 +99,12 @@ def test_verdict_is_cached_and_each_chain_decided_on_its_own(clock, monkeypatch)
     model = torch.nn.Sequential(ChainModel(32, 48, bias=False, scale=None), ChainModel(48, 16, bias=False, scale=None))
     x = make_input(12, 32)
     torch.compile(model, backend="fusepass", options=TIMED)(x)
-    assert [name for name, _ in first.runs] == [race.FUSED, race.UNFUSED] * 2
+    assert [name for name, _ in first.runs] == [timing.FUSED, timing.UNFUSED] * 2
     assert_fused(rewrites=2, graphs=1)
     torch._dynamo.reset()
     again = clock(fused_ms=5.0, unfused_ms=1.0)  # would flip the verdicts if anything were timed
     compiled = []
-    monkeypatch.setattr(race, "_compiled_step", lambda *args: compiled.append(1))
+    monkeypatch.setattr(timing, "_compiled_step", lambda *args: compiled.append(1))
     torch.compile(model, backend="fusepass", options=TIMED)(x)
     assert again.runs == [] and compiled == []  # a cached verdict compiles no candidate
     assert_fused(rewrites=4, graphs=2)
@@ -124,7 +126,7 @@ def test_environment_variable_turns_it_on_and_an_explicit_option_wins(clock, mon
     assert timed.runs == []
     torch._dynamo.reset()
     torch.compile(model, backend="fusepass")(x)
-    assert [name for name, _ in timed.runs] == [race.FUSED, race.UNFUSED]
+    assert [name for name, _ in timed.runs] == [timing.FUSED, timing.UNFUSED]
     assert_fused(rewrites=2, graphs=2)
 
 
@@ -133,7 +135,7 @@ def test_a_race_that_fails_leaves_the_chain_fused(clock, monkeypatch, caplog):
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler today")
-    monkeypatch.setattr(race, "_compiled_step", broken)
+    monkeypatch.setattr(timing, "_compiled_step", broken)
     with caplog.at_level(logging.WARNING, logger="fusepass"):
         torch.compile(ChainModel(), backend="fusepass", options=TIMED)(make_input(8, 32))
     assert_fused(rewrites=1, graphs=1)
@@ -159,10 +161,10 @@ def test_extract_computes_the_nodes_alone():
     model.eval()
     expected = torch.compile(model, backend=backend)(x)
     gm, example_inputs = captured[0]
-    [match], _ = fusepass.pattern.find_chains(gm.graph)
-    sub = race.extract(gm, match.nodes)
+    [match], _ = find_chains(gm.graph, FAMILIES)
+    sub = timing.extract(gm, match.nodes)
     assert [n.op for n in sub.graph.nodes].count("output") == 1
-    inputs = race.stand_ins(gm, sub, example_inputs)
+    inputs = timing.stand_ins(gm, sub, example_inputs)
     assert any(t is not None and torch.equal(t, x) for t in inputs)  # a graph input: its own value
     [out] = sub(*inputs)
     torch.testing.assert_close(out, expected)
@@ -177,15 +179,15 @@ def test_a_candidate_further_from_float64_than_eager_is_refused():
     x = make_input(16, 32).requires_grad_()
     torch.compile(ChainModel(), backend=backend)(x)
     gm, example_inputs = captured[0]
-    [match], _ = fusepass.pattern.find_chains(gm.graph)
-    sub = race.extract(gm, match.nodes)
-    inputs = race.stand_ins(gm, sub, example_inputs)
-    upstream = race._upstream_gradients(sub)
-    eager = race._step(sub, inputs, upstream)
-    assert race._further_than_eager(sub, inputs, upstream, lambda: eager) is None
+    [match], _ = find_chains(gm.graph, FAMILIES)
+    sub = timing.extract(gm, match.nodes)
+    inputs = timing.stand_ins(gm, sub, example_inputs)
+    upstream = timing._upstream_gradients(sub)
+    eager = timing._step(sub, inputs, upstream)
+    assert timing._further_than_eager(sub, inputs, upstream, lambda: eager) is None
     off = [t.clone() for t in eager]
     off[2] = off[2] * (1 + 1e-4)  # the gradient of W, 1e-4 off: far above fp32 rounding
-    assert race._further_than_eager(sub, inputs, upstream, lambda: off).startswith("gradient 1: ")
+    assert timing._further_than_eager(sub, inputs, upstream, lambda: off).startswith("gradient 1: ")
 
 
 def test_bad_option_value():
@@ -207,20 +209,20 @@ def test_on_cuda_both_are_timed_and_the_model_stays_exact(monkeypatch):
     stats = fusepass_stats()
     assert stats.get("rewrites", 0) + stats.get("unfused", 0) == 2 and not stats.get("fallbacks")
     raced = [times for problem, times in tuning.TUNER.timings.items()
-             if problem.startswith("race ") and problem not in timed_before]
+             if problem.startswith("timed ") and problem not in timed_before]
     assert len(raced) == 2  # train and eval, each timed on the GPU
-    assert all(set(times) == {race.FUSED, race.UNFUSED} and min(times.values()) > 0 for times in raced)
+    assert all(set(times) == {timing.FUSED, timing.UNFUSED} and min(times.values()) > 0 for times in raced)
 
 
 def test_a_refusal_is_remembered_and_nothing_compiled_again(clock, monkeypatch):
     timed = clock(fused_ms=2.0, unfused_ms=1.0)
     checks = []
-    monkeypatch.setattr(race, "_further_than_eager", lambda *args: checks.append(1) or "gradient 1: 1e-3 to 1e-6")
+    monkeypatch.setattr(timing, "_further_than_eager", lambda *args: checks.append(1) or "gradient 1: 1e-3 to 1e-6")
     model, x = ChainModel(), make_input(8, 32)
     torch.compile(model, backend="fusepass", options=TIMED)(x)
     torch._dynamo.reset()
     compiled = []
-    monkeypatch.setattr(race, "_compiled_step", lambda *args: compiled.append(1))
+    monkeypatch.setattr(timing, "_compiled_step", lambda *args: compiled.append(1))
     torch.compile(model, backend="fusepass", options=TIMED)(x)
     assert checks == [1] and compiled == [] and timed.runs == []
     assert_fused(rewrites=2, graphs=2)
