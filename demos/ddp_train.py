@@ -100,7 +100,8 @@ def run_case(path: str, norm: str, precision: str, args, device: torch.device, r
 
 def training_step(provider: str, model: nn.Module, inputs: list, precision: str, device: torch.device):
     ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
-    fn = ddp if provider == "eager" else torch.compile(ddp, backend="inductor" if provider == "inductor" else "fusepass")
+    backend = "inductor" if provider == "inductor" else "fusepass"
+    fn = ddp if provider == "eager" else torch.compile(ddp, backend=backend)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
 
     def step() -> None:

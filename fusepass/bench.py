@@ -150,7 +150,8 @@ class Run:
     def check(self, progress: Callable[[str], None]) -> None:
         for seed in range(self.cfg.seeds):
             inputs = problem_inputs(self.module, self.cfg.device, INPUT_SEED + seed)
-            with torch.set_grad_enabled(self.cfg.backward or self.mode == "train"), FlopCounterMode(display=False) as flop:
+            grad = self.cfg.backward or self.mode == "train"
+            with torch.set_grad_enabled(grad), FlopCounterMode(display=False) as flop:
                 ref_out = self.reference(*to_device(inputs, self.cfg.device, torch.float64))
             if seed == 0:
                 self._record_size(inputs, ref_out, flop.get_total_flops())
@@ -227,7 +228,8 @@ class Run:
             result.failure = f"no gradient for {missing[0]}"
             return
         scale = max(ref.abs().max().item() for _, _, ref in pairs)
-        close = all(torch.allclose(grad.double(), ref, atol=self.atol * scale, rtol=self.rtol) for _, grad, ref in pairs)
+        close = all(torch.allclose(grad.double(), ref, atol=self.atol * scale, rtol=self.rtol)
+                    for _, grad, ref in pairs)
         result.grad_allclose = close and result.grad_allclose is not False
         diff = math.sqrt(sum((grad.double() - ref).square().sum().item() for _, grad, ref in pairs))
         norm = math.sqrt(sum(ref.square().sum().item() for _, _, ref in pairs))

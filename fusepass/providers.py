@@ -39,7 +39,8 @@ def load(path: str, size: Optional[Size] = None, shrink: int = 1):
         raise BenchError(f"{path}: cannot be imported: {exc!r}") from exc
     for name in ("Model", "get_inputs", "get_init_inputs"):
         if not hasattr(module, name):
-            raise BenchError(f"{path}: defines no {name} (a KernelBench problem needs Model, get_inputs, get_init_inputs)")
+            raise BenchError(f"{path}: defines no {name} (a KernelBench problem needs Model, get_inputs, "
+                             "get_init_inputs)")
     if size is not None or shrink > 1:
         try:
             resize_problem(module, shrunk_size(size or problem_size(module), shrink))

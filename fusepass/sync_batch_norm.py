@@ -8,10 +8,11 @@ group's name. The batch-norm step of the chain family matches it like F.batch_no
 chain runs `torch.ops.fusepass.sync_batch_norm` (one all-gather forward, one all-reduce backward,
 lowering/sync.py). Run eagerly, the module is untouched: forward calls eager's own code.
 
-Installed on import of fusepass.backend; it acts only in compiles whose backend is fusepass (other
-backends trace eager's code, with its graph break, as without fusepass). Differences from eager, both deliberate: the op runs on any device torch.distributed runs on (eager
-SyncBatchNorm raises ValueError for CPU input), and momentum=None (a cumulative average read from the
-host) keeps eager's code, with its graph break.
+Installed by fusepass.backend (on import: torch imports it to resolve the backend's name) and by
+explain(); it acts only in compiles whose backend is fusepass's (other backends trace eager's code, with
+its graph break, as without fusepass). Differences from eager, both deliberate: the op runs on any device
+torch.distributed runs on (eager SyncBatchNorm raises ValueError for CPU input), and momentum=None (a
+cumulative average read from the host) keeps eager's code, with its graph break.
 """
 
 from __future__ import annotations

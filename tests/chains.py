@@ -324,7 +324,8 @@ def _check_exactly_zero(what: str, fused: torch.Tensor, eager: torch.Tensor, ref
         f"{what}: float64 {ref.double().norm():.3g} vs eager {eager.double().norm():.3g} - not 0 in exact "
         "arithmetic, so not a gradient to expect exactly 0")
     assert fused.shape == ref.shape and fused.dtype == eager.dtype, f"{what}: {fused.shape}/{fused.dtype}"
-    assert torch.count_nonzero(fused) == 0, f"{what}: must be exactly 0, fusepass has max |value| {fused.abs().max():.3g}"
+    assert torch.count_nonzero(fused) == 0, (
+        f"{what}: must be exactly 0, fusepass has max |value| {fused.abs().max():.3g}")
 
 
 def _check_against_float64(what: str, fused: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:

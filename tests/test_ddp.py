@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 from tests.distributed import workers
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
-TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(), reason="needs 2 GPUs and NCCL")
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                              reason="needs 2 GPUs and NCCL")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, TWO_GPUS])]
 
 

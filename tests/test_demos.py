@@ -74,7 +74,8 @@ def test_ddp_train_demo_runs_under_torchrun_on_cpu(tmp_path):
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
-        assert f"rank {rank}: mlp_batchnorm batch_norm fp32: fusepass {{'graphs': 1, 'rewrites': 2, 'linears': 1, 'fallbacks': 0}}" \
+        counts = "{'graphs': 1, 'rewrites': 2, 'linears': 1, 'fallbacks': 0}"
+        assert f"rank {rank}: mlp_batchnorm batch_norm fp32: fusepass {counts}" \
             in result.stdout, result.stdout
     [case] = json.loads(out.read_text())["results"]
     assert set(case["ms"]) == {"eager", "inductor", "fusepass"} and case["fused"]["rewrites"] == 2

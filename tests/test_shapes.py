@@ -137,9 +137,9 @@ print(json.dumps(dict(counters["fusepass"])))
 @pytest.mark.cuda
 def test_a_second_process_tunes_nothing(tuned):
     env = {**os.environ, tuning.TUNE_ENV: "1", tuning.CACHE_DIR_ENV: str(tuned)}
+    root = os.path.dirname(os.path.dirname(__file__))
     runs = [json.loads(subprocess.run([sys.executable, "-c", SECOND_PROCESS], env=env, capture_output=True, text=True,
-                                      check=True, cwd=os.path.dirname(os.path.dirname(__file__))).stdout.splitlines()[-1])
-            for _ in range(2)]
+                                      check=True, cwd=root).stdout.splitlines()[-1]) for _ in range(2)]
     assert runs[0]["tunings"] > 0 and runs[1].get("tunings", 0) == 0, runs
     assert runs[0]["rewrites"] == runs[1]["rewrites"] == 2 and "fallbacks" not in runs[1]
 

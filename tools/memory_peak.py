@@ -45,7 +45,8 @@ def where(event: dict) -> str:
         return "?"
     first = frames[0]
     code = linecache.getline(first["filename"], first["line"]).strip()
-    return " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames[:3]) + f"\n{'':14}{code}"
+    where = " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames[:3])
+    return where + f"\n{'':14}{code}"
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Times fusepass's Triton GEMM (with the statistics epilogue) per precision and tile config against
 cuBLAS, with its error to float64. GPU only.
-Usage: python tools/tune_gemm.py [--json FILE] [--quick] [--shapes N] [--precisions tf32x3,split_w,split_x,tf32,native]"""
+Usage: python tools/tune_gemm.py [--json FILE] [--quick] [--shapes N]
+                                [--precisions tf32x3,split_w,split_x,tf32,native]"""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def main() -> None:
         b = torch.randn(n, device="cuda", generator=g)
         s = torch.randn(n, device="cuda", generator=g)
         ref = F.linear(x.double(), w.double(), b.double())
-        for dtype, precisions in ((torch.float32, ["tf32x3", "split_w", "split_x", "tf32"]), (torch.bfloat16, ["native"])):
+        by_dtype = ((torch.float32, ["tf32x3", "split_w", "split_x", "tf32"]), (torch.bfloat16, ["native"]))
+        for dtype, precisions in by_dtype:
             precisions = [p for p in precisions if p in wanted]
             if not precisions:
                 continue

@@ -81,9 +81,11 @@ def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
     elif precision in PRE_SPLIT:
         configs = [GemmConfig(128, 128, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 8, 4)]
     elif precision == "tf32":
-        configs = [GemmConfig(128, 256, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 4, 4), GemmConfig(64, 64, 64, 8, 4, 3)]
+        configs = [GemmConfig(128, 256, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 4, 4),
+                   GemmConfig(64, 64, 64, 8, 4, 3)]
     else:
-        configs = [GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(64, 64, 64, 8, 4, 3)]
+        configs = [GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4),
+                   GemmConfig(64, 64, 64, 8, 4, 3)]
     return configs + [configs[0].with_tma()]
 
 
@@ -113,7 +115,8 @@ def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) 
     return limits.first(
         limits.int32_offsets(x=x, weight=weight),
         limits.int32_buffer("the linear output", m, weight.shape[0]),
-        limits.int32_buffer("the split operand", split.shape[0], k + SPLIT_ROW_ALIGNMENT) if split is not None else None,
+        limits.int32_buffer("the split operand", split.shape[0], k + SPLIT_ROW_ALIGNMENT) if split is not None
+        else None,
         limits.column_grid(k) if split is not None else None,
         limits.tma_descriptors(x, weight) if config.tma else None,
     )

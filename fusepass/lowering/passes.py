@@ -367,7 +367,8 @@ class Statistics:
         parts = self.parts or Partials(placeholder, placeholder, 1)
         bn = self.batch_norm
         return (parts.mean, parts.m2, present_or_placeholder(bn.running_mean, placeholder),
-                present_or_placeholder(bn.running_var, placeholder), self.mean, self.invstd, self.new_mean, self.new_var)
+                present_or_placeholder(bn.running_var, placeholder), self.mean, self.invstd, self.new_mean,
+                self.new_var)
 
     def sizes(self) -> tuple[int, int]:
         """(n_parts, rows_per_part)."""

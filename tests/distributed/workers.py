@@ -143,7 +143,8 @@ class SyncChains(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.l1, self.bn1, self.s = nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Parameter(torch.rand(HIDDEN) + 0.5)
+        self.l1, self.bn1 = nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN)
+        self.s = nn.Parameter(torch.rand(HIDDEN) + 0.5)
         self.l2, self.bn2 = nn.Linear(HIDDEN, 64), nn.BatchNorm1d(64)
         self.l3 = nn.Linear(64, 7)
         for bn in (self.bn1, self.bn2):
@@ -264,7 +265,8 @@ def sync_batch_norm_chains(rank: int, world_size: int, init_file: str, device: s
                 _compare_synced_state(unwrap(fused), unwrap(eager), ref, summed=not on_gpus, world_size=world_size)
         patterns = [m["pattern"] for m in explain(nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)).train(),
                                                   x[rows]).matches]
-        assert patterns == ["linear_scale_sync_batch_norm_relu", "linear_sync_batch_norm_gelu_softmax", "linear"], patterns
+        assert patterns == ["linear_scale_sync_batch_norm_relu", "linear_sync_batch_norm_gelu_softmax",
+                            "linear"], patterns
         # two chains in a training graph and in an eval graph; the last Linear on fusepass's linear op in
         # fp32 only (under autocast a bare linear is Inductor's, options.py)
         assert_fused(rewrites=4, graphs=2, linears=0 if autocast else 2)

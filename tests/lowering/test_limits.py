@@ -94,7 +94,8 @@ def test_a_call_within_the_limits_runs_its_kernels(monkeypatch):
 
 def test_linear_op_past_the_limits_runs_cublas(tiny_int32):
     x, w = torch.randn(12, 16, device=KERNEL_DEVICE), torch.randn(8, 16, device=KERNEL_DEVICE)
-    out = linear.LINEAR.launch_checked(linear.LinearImplementation("tf32x3", SMALL), linear.LinearCall(x, w, None, "tf32x3", "auto"))
+    out = linear.LINEAR.launch_checked(linear.LinearImplementation("tf32x3", SMALL),
+                                       linear.LinearCall(x, w, None, "tf32x3", "auto"))
     assert counters["fusepass"]["unlaunchable"] == 1 and torch.equal(out, F.linear(x, w))
 
 
