@@ -30,7 +30,7 @@ from tabulate import tabulate
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fusepass.bench import source_commit
+from fusepass.measure import source_commit
 from fusepass.providers import build_model, precision_context, problem_inputs
 from fusepass.problems import load_problem, problem_size, shrunk_size
 

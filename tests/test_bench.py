@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import fusepass
 import fusepass.backend
 import fusepass.bench as bench
+import fusepass.measure as measure
 import fusepass.providers as providers
 
 ROOT = Path(__file__).parent.parent
@@ -90,13 +91,13 @@ def test_tolerance_too_tight_for_everyone_is_not_a_wrong_verdict(tmp_path):
 
 
 def test_wrong_provider_is_reported_wrong_and_not_timed(tmp_path, monkeypatch, capsys):
-    real = bench.make_provider
+    real = measure.make_provider
 
     def off_by_a_bit(name, model):
         fn = real(name, model)
         return (lambda *inputs: fn(*inputs) + 1e-2) if name == "fusepass" else fn
 
-    monkeypatch.setattr(bench, "make_provider", off_by_a_bit)
+    monkeypatch.setattr(measure, "make_provider", off_by_a_bit)
     out_json = tmp_path / "bench.json"
     status = bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), *FAST, "--json", str(out_json)])
     assert status == 1
@@ -173,7 +174,7 @@ def test_console_script_is_installed():
 
 
 def test_drifting_running_statistics_are_reported_wrong(tmp_path, monkeypatch):
-    real = bench.make_provider
+    real = measure.make_provider
 
     def drifting(name, model):
         fn = real(name, model)
@@ -187,7 +188,7 @@ def test_drifting_running_statistics_are_reported_wrong(tmp_path, monkeypatch):
             return out
         return call
 
-    monkeypatch.setattr(bench, "make_provider", drifting)
+    monkeypatch.setattr(measure, "make_provider", drifting)
     out_json = tmp_path / "bench.json"
     assert bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), *FAST, "--json", str(out_json)]) == 1
     [wrong] = [r for r in json.loads(out_json.read_text())["results"] if r["provider"] == "fusepass"]
@@ -242,8 +243,8 @@ def drop_post_scale(model, x):
 def test_a_dropped_parameter_is_reported_wrong(tmp_path, monkeypatch, problem, buggy, mode):
     """The problems keep BatchNorm's gamma = 1, beta = 0 and the softmax problem's scale = 1, under which
     a provider that ignores one of them is right; the bench perturbs them, so it is not."""
-    real = bench.make_provider
-    monkeypatch.setattr(bench, "make_provider", lambda name, model: (
+    real = measure.make_provider
+    monkeypatch.setattr(measure, "make_provider", lambda name, model: (
         (lambda x: buggy(model, x)) if name == "fusepass" else real(name, model)))
     out_json = tmp_path / "bench.json"
     assert bench.main([str(PROBLEMS / problem), *FAST, "--mode", mode, "--providers", "fusepass",
@@ -253,7 +254,7 @@ def test_a_dropped_parameter_is_reported_wrong(tmp_path, monkeypatch, problem, b
 
 
 def test_perturbed_parameters_are_seeded_and_nontrivial():
-    module = bench.load(str(PROBLEMS / "gemm_batchnorm_scale_softmax.py"), (16, 24, 32))
+    module = providers.load(str(PROBLEMS / "gemm_batchnorm_scale_softmax.py"), (16, 24, 32))
     first, second = (module.Model(*module.get_init_inputs()) for _ in range(2))
     second.load_state_dict(first.state_dict())
     rng_state = torch.get_rng_state()
@@ -284,14 +285,14 @@ def test_cuda_graph_providers_begin_a_step_per_call(monkeypatch):
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
     model = torch.nn.Linear(4, 3)
     for provider in ("inductor-cudagraphs", "fusepass-cudagraphs"):
-        fn = bench.make_provider(provider, model)
+        fn = providers.make_provider(provider, model)
         for _ in range(3):
             fn(torch.randn(2, 4)).sum().backward()
             assert model.weight.grad is not None
         fn(torch.randn(2, 4))
         assert model.weight.grad is None
     assert len(steps) == 8
-    bench.make_provider("inductor", model)(torch.randn(2, 4))
+    providers.make_provider("inductor", model)(torch.randn(2, 4))
     assert len(steps) == 8
 
 
@@ -325,7 +326,7 @@ def test_a_tf32_training_step_keeps_tf32_in_its_backward():
     x = torch.randn(3, requires_grad=True)
     for precision, forward, backward in (("tf32", ("high", False), ("high", False)),
                                          ("bf16-autocast", ("highest", True), ("highest", False))):
-        bench.provider_call(Record.apply, [x], mode="train", precision=precision, device="cpu", backward=True)()
+        providers.provider_call(Record.apply, [x], mode="train", precision=precision, device="cpu", backward=True)()
         assert seen == {"forward": forward, "backward": backward}
     assert torch.get_float32_matmul_precision() == "highest"
 

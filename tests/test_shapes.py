@@ -109,7 +109,7 @@ def test_opaque_op_runs_any_row_count_on_one_compile(fused_chain, tuned, monkeyp
     64, 48 and 37 rows, divisible by 16 or not) tune once and compile each kernel once: the row count is
     never specialized."""
     monkeypatch.setenv("FUSEPASS_OPAQUE", "1")
-    kernels = (gemm._gemm_kernel, gemm._tf32_split_kernel, passes._normalize_kernel, passes._finalize_stats_kernel)
+    kernels = (gemm._gemm_kernel, gemm._tf32_split_kernel, passes.normalize_kernel, passes.finalize_stats_kernel)
     trio = fused_chain("cuda")
     trio.train(True)
     trio.step(make_input(64, 32, "cuda"))

@@ -191,7 +191,7 @@ def run_spec(spec: Spec, out_dir: Path, dry_run: bool = False) -> None:
 
 def annotate(json_path: Path, spec: Spec, wall_s: float) -> None:
     """Adds what the bench cannot know: section, caches, commit, wall time."""
-    from fusepass.bench import source_commit
+    from fusepass.measure import source_commit
     payload = json.loads(json_path.read_text())
     payload["report"] = {"section": spec.section, "spec": spec.name, "caches": "warm" if spec.warm else "cold",
                          "caches_note": WARM_NOTE if spec.warm else COLD_NOTE, "commit": source_commit(),

@@ -151,7 +151,7 @@ def assert_like_eager(fused, args: ChainArgs, y: Optional[torch.Tensor] = None, 
                                            exact.new_running_var)
 
 
-PASS_KERNELS = ("_partial_stats_kernel", "_finalize_stats_kernel", "_normalize_kernel", "_normalize_softmax_kernel")
+PASS_KERNELS = ("partial_stats_kernel", "finalize_stats_kernel", "normalize_kernel", "normalize_softmax_kernel")
 
 
 def record_launches(monkeypatch) -> list[str]:

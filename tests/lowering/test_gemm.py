@@ -122,13 +122,13 @@ def test_launches_after_the_gemm(monkeypatch, softmax):
     pass, which reads them from a finalize launch (passes.normalize_training says why). After cuBLAS: the
     statistics pass (training) and the output pass, likewise."""
     launched = record_launches(monkeypatch)
-    output_kernel = "_normalize_softmax_kernel" if softmax else "_normalize_kernel"
+    output_kernel = "normalize_softmax_kernel" if softmax else "normalize_kernel"
     for training in (False, True):
         args = make_args(20, 16, 12, softmax=softmax, training=training)
-        finalize = ["_finalize_stats_kernel"] if training and softmax else []
+        finalize = ["finalize_stats_kernel"] if training and softmax else []
         launched.clear()
         on_triton_gemm(args, "tf32x3", SMALL)
         assert launched == (finalize + [output_kernel] if training or softmax else [])
         launched.clear()
         on_cublas(args, "tf32x3")
-        assert launched == (["_partial_stats_kernel"] if training else []) + finalize + [output_kernel]
+        assert launched == (["partial_stats_kernel"] if training else []) + finalize + [output_kernel]

@@ -130,9 +130,9 @@ def test_statistics_in_the_output_pass_or_in_a_finalize_launch(monkeypatch, merg
     args = make_args(70, 9, 300, running=running, training=training, scale="number", scale_after="number",
                      softmax=softmax, momentum=0.2)
     y, fused = run_passes(args)
-    output_kernel = "_normalize_softmax_kernel" if softmax else "_normalize_kernel"
-    assert launched == (["_partial_stats_kernel"] if training else []) + \
-        ([] if merge and not (training and softmax) else ["_finalize_stats_kernel"]) + [output_kernel]
+    output_kernel = "normalize_softmax_kernel" if softmax else "normalize_kernel"
+    assert launched == (["partial_stats_kernel"] if training else []) + \
+        ([] if merge and not (training and softmax) else ["finalize_stats_kernel"]) + [output_kernel]
     assert_like_eager(fused, args, y)
     assert fused.new_running_mean.numel() == (300 if training and running else 0)
 

@@ -1,0 +1,291 @@
+"""The Triton kernels of the passes after the GEMM (passes.py launches them).
+
+After a GEMM that computed no statistics (cuBLAS), a statistics kernel writes per strip of rows and per
+feature the mean and M2 of z = y * s1 (the Triton GEMM writes these in its epilogue instead). The
+output kernels then normalize: elementwise, or row-wise with an online max-subtracted softmax for rows
+of any length. They take mean and invstd from one of three sources (STATS_SOURCE): they READ them (the
+finalize kernel merged the strips first), they MERGE the strips themselves with Chan's formula (one
+launch fewer), or they turn the RUNNING statistics into them (eval). A kernel that computes them itself
+has its first row program write mean/invstd and the running-statistics update, as the finalize kernel
+would.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fusepass.lowering.pointwise import apply_tail
+from fusepass.lowering.tiles import (batch_norm_tile, chan_merge, exp_accurate, inverse_std, load_scale,
+                                     tile_column_stats)
+
+# Where an output pass gets mean and invstd (STATS_SOURCE).
+STATS_READ = tl.constexpr(0)
+STATS_MERGE = tl.constexpr(1)
+STATS_RUNNING = tl.constexpr(2)
+
+# --------------------------------------------------------------------------- kernels
+# Row counts (n_rows, and n_parts, the row strips) change with the batch: runtime arguments that are never
+# specialized, so a new batch size compiles nothing.
+# `stats` below is the tuple of statistics pointers Statistics.pointers() gives, in this order:
+# (part_mean, part_m2, running_mean, running_var, mean, invstd, new_running_mean, new_running_var).
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def partial_stats_kernel(
+    # pointers
+    y_ptr, scale_ptr, part_mean_ptr, part_m2_ptr,
+    # sizes
+    n_rows, n_cols, rows_per_program,
+    # strides
+    stride_yr, stride_yc,
+    # scalars
+    scale_value,
+    # meta-parameters
+    SCALE_MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Per column, the mean and M2 of z = y * s over one strip of rows (Chan-merged tile by tile)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    s = load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
+
+    row_start = pid_r * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    count = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    mean = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    m2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for r0 in range(row_start, row_end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        y = tl.load(y_ptr + rows[:, None] * stride_yr + cols[None, :] * stride_yc, mask=mask, other=0.0)
+        tile_count = tl.minimum(row_end - r0, BLOCK_R).to(tl.float32)
+        tile_mean, tile_m2 = tile_column_stats(y.to(tl.float32) * s[None, :], row_mask, tile_count)
+        count, mean, m2 = chan_merge(count, mean, m2, tile_count, tile_mean, tile_m2)
+
+    out_offsets = pid_r * n_cols + cols
+    tl.store(part_mean_ptr + out_offsets, mean, mask=col_mask)
+    tl.store(part_m2_ptr + out_offsets, m2, mask=col_mask)
+
+
+@triton.jit
+def _merged_statistics(part_mean_ptr, part_m2_ptr, cols, col_mask, n_rows, n_cols, n_parts, rows_per_part):
+    """Per column: the row strips' (mean, M2) of z merged with Chan's formula. Returns (count, mean,
+    biased variance)."""
+    count = tl.zeros(cols.shape, dtype=tl.float32)
+    mean = tl.zeros(cols.shape, dtype=tl.float32)
+    m2 = tl.zeros(cols.shape, dtype=tl.float32)
+    for p in range(0, n_parts):
+        part_count = tl.minimum(rows_per_part, n_rows - p * rows_per_part).to(tl.float32)
+        part_mean = tl.load(part_mean_ptr + p * n_cols + cols, mask=col_mask, other=0.0)
+        part_m2 = tl.load(part_m2_ptr + p * n_cols + cols, mask=col_mask, other=0.0)
+        count, mean, m2 = chan_merge(count, mean, m2, part_count, part_mean, part_m2)
+    return count, mean, m2 / count
+
+
+@triton.jit
+def _store_statistics(stats, mean, var, count, cols, mask, momentum, eps, UPDATE_RUNNING: tl.constexpr):
+    """Stores mean and invstd, and (training with running statistics) the momentum update of the
+    running statistics with the unbiased variance. Returns invstd."""
+    _, _, running_mean_ptr, running_var_ptr, mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr = stats
+    invstd = inverse_std(var, eps)
+    tl.store(mean_ptr + cols, mean, mask=mask)
+    tl.store(invstd_ptr + cols, invstd, mask=mask)
+    if UPDATE_RUNNING:
+        momentum = tl.cast(momentum, tl.float32)
+        unbiased_var = var * (count / (count - 1.0))
+        running_mean = tl.load(running_mean_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        running_var = tl.load(running_var_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        new_mean = momentum * mean + (1.0 - momentum) * running_mean
+        new_var = momentum * unbiased_var + (1.0 - momentum) * running_var
+        tl.store(new_running_mean_ptr + cols, new_mean.to(new_running_mean_ptr.dtype.element_ty), mask=mask)
+        tl.store(new_running_var_ptr + cols, new_var.to(new_running_var_ptr.dtype.element_ty), mask=mask)
+    return invstd
+
+
+@triton.jit
+def _column_statistics(
+    stats, cols, col_mask, row_program, n_rows, n_cols, n_parts, rows_per_part, momentum, eps,
+    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
+):
+    """(mean, invstd) of some columns, from STATS_SOURCE (see the module docstring). When computed here,
+    row program 0 stores them and the running-statistics update (a nonzero row_program stores nothing)."""
+    part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr, mean_ptr, invstd_ptr, _, _ = stats
+    if STATS_SOURCE == STATS_READ:
+        mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
+        invstd = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
+    else:
+        if STATS_SOURCE == STATS_MERGE:
+            count, mean, var = _merged_statistics(part_mean_ptr, part_m2_ptr, cols, col_mask, n_rows, n_cols,
+                                                  n_parts, rows_per_part)
+        else:
+            count = tl.zeros(cols.shape, dtype=tl.float32)
+            mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            var = tl.load(running_var_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
+        # A vector comparison: Triton's interpreter rejects a mask and-ed with a scalar condition.
+        store_mask = col_mask & ((cols * 0 + row_program) == 0)
+        invstd = _store_statistics(stats, mean, var, count, cols, store_mask, momentum, eps, UPDATE_RUNNING)
+    return mean, invstd
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_parts"])
+def finalize_stats_kernel(
+    # pointers: statistics
+    part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+    mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
+    # sizes
+    n_rows, n_cols, n_parts, rows_per_part,
+    # scalars
+    momentum, eps,
+    # meta-parameters
+    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Per column: merge the strips' statistics (training) or read the running ones (eval); store
+    mean/invstd and update the running statistics, once, for an output pass that reads them."""
+    stats = (part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+             mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    _column_statistics(stats, cols, cols < n_cols, 0, n_rows, n_cols, n_parts, rows_per_part, momentum, eps,
+                       STATS_SOURCE, UPDATE_RUNNING)
+
+
+@triton.jit
+def _normalized_tile(
+    params, tail_tensors, mean, invstd, rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value,
+    SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
+    TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
+):
+    """tail((y * s1 - mean) * invstd * gamma + beta) for one tile, in fp32. `params` holds the pointers
+    (y, s1, gamma, beta), `tail_tensors` the tail's tensor operands."""
+    y_ptr, scale_ptr, gamma_ptr, beta_ptr = params
+    mask = row_mask[:, None] & col_mask[None, :]
+    s = load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
+    y = tl.load(y_ptr + rows[:, None] * stride_yr + cols[None, :] * stride_yc, mask=mask, other=0.0)
+    u = batch_norm_tile(y.to(tl.float32), s, mean, invstd, gamma_ptr, beta_ptr, cols, col_mask, HAS_GAMMA, HAS_BETA)
+    return apply_tail(u, cols, col_mask, tail_tensors, TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A,
+                      TAIL_B, TAIL_TENSOR_MODES)
+
+
+@triton.jit
+def _output_tile(
+    params, tail_tensors, stats, rows, cols, row_mask, col_mask, row_program, n_rows, n_cols, n_parts,
+    rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
+    SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
+    TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
+    TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
+):
+    """The normalized tile u of some rows and columns, with its columns' statistics. Every output pass
+    (and both softmax sweeps) computes u through this one function, so the compiler builds the same
+    expression, with the same rounding, in each: had one sweep let `u - max` contract into an FMA and
+    the other not, numerators and sum would disagree by up to |u| ulps."""
+    mean, invstd = _column_statistics(stats, cols, col_mask, row_program, n_rows, n_cols, n_parts, rows_per_part,
+                                      momentum, eps, STATS_SOURCE, UPDATE_RUNNING)
+    return _normalized_tile(params, tail_tensors, mean, invstd, rows, cols, row_mask, col_mask, stride_yr, stride_yc,
+                            scale_value, SCALE_MODE, HAS_GAMMA, HAS_BETA,
+                            TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_parts"])
+def normalize_kernel(
+    # pointers: input, parameters, output
+    y_ptr, scale_ptr, gamma_ptr, beta_ptr, out_ptr,
+    # pointers: the tail's tensor operands
+    tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3,
+    # pointers: statistics
+    part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+    mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
+    # sizes
+    n_rows, n_cols, n_parts, rows_per_part,
+    # strides
+    stride_yr, stride_yc, stride_or, stride_oc,
+    # scalars
+    scale_value, momentum, eps,
+    # meta-parameters
+    SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
+    TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
+):
+    """out = tail((y * s1 - mean) * invstd * gamma + beta), stored in out's dtype."""
+    params = (y_ptr, scale_ptr, gamma_ptr, beta_ptr)
+    tail_tensors = (tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3)
+    stats = (part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+             mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr)
+    pid_r = tl.program_id(0)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols, n_parts,
+                     rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
+                     SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING,
+                     TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
+    tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
+             u.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_parts"])
+def normalize_softmax_kernel(
+    # pointers: input, parameters, output
+    y_ptr, scale_ptr, gamma_ptr, beta_ptr, out_ptr,
+    # pointers: the tail's tensor operands
+    tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3,
+    # pointers: statistics
+    part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+    mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
+    # sizes
+    n_rows, n_cols, n_parts, rows_per_part,
+    # strides
+    stride_yr, stride_yc, stride_or, stride_oc,
+    # scalars
+    scale_value, momentum, eps,
+    # meta-parameters
+    SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
+    TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
+    ACCURATE_EXP: tl.constexpr,
+):
+    """out = softmax(tail(u), dim=-1) for BLOCK_R whole rows of any length: an online max/sum sweep over
+    the columns, then a sweep that writes exp(u - max) / sum. fp32 throughout."""
+    params = (y_ptr, scale_ptr, gamma_ptr, beta_ptr)
+    tail_tensors = (tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3)
+    stats = (part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+             mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr)
+    pid_r = tl.program_id(0)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < n_rows
+    row_max = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    row_sum = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        col_mask = cols < n_cols
+        u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols,
+                         n_parts, rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
+                         SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING,
+                         TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
+        u = tl.where(col_mask[None, :], u, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(u, axis=1))
+        # While a row has seen only -inf, subtract 0 instead of -inf so that no -inf - -inf NaN appears
+        # (a row that is -inf throughout still ends 0 / 0 = NaN, as in eager).
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        row_sum = (row_sum * exp_accurate(row_max - shift, ACCURATE_EXP)
+                   + tl.sum(exp_accurate(u - shift[:, None], ACCURATE_EXP), axis=1))
+        row_max = new_max
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    for c0 in range(0, n_cols, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        col_mask = cols < n_cols
+        # Row program 1 stores no statistics: the first sweep stored them already.
+        u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, 1, n_rows, n_cols,
+                         n_parts, rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
+                         SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING,
+                         TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
+        u = tl.where(col_mask[None, :], u, float("-inf"))
+        p = tl.math.div_rn(exp_accurate(u - shift[:, None], ACCURATE_EXP), row_sum[:, None])
+        tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
+                 p.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
