@@ -21,10 +21,10 @@ def spawn(fn, tmp_path, *args, world_size: int = 2) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("optimize_ddp", ["ddp_optimizer", "python_reducer", "no_optimization"])
-def test_ddp_fuses_every_chain(optimize_ddp, device, tmp_path):
-    """Under DDPOptimizer a bucket cut would fall inside the second chain; fusepass keeps it whole."""
-    spawn(workers.ddp_chains, tmp_path, optimize_ddp, device)
+def test_ddp_fuses_every_chain(device, tmp_path):
+    """Under DDPOptimizer a bucket cut would fall inside the second chain; fusepass keeps it whole. Also
+    under compiled autograd (python_reducer) and without DDP's graph splitting; one spawn runs all three."""
+    spawn(workers.ddp_chains, tmp_path, device, ["ddp_optimizer", "python_reducer", "no_optimization"])
 
 
 def test_without_fusepass_the_bucket_cut_falls_inside_a_chain(tmp_path):
@@ -32,15 +32,14 @@ def test_without_fusepass_the_bucket_cut_falls_inside_a_chain(tmp_path):
 
 
 # Ranks' batch sizes: uneven, and one rank without rows (its statistics must not enter the merge)
-ROWS = pytest.mark.parametrize("rows_per_rank", [(20, 13), (33, 0)], ids=["uneven", "a-rank-without-rows"])
+ROWS_PER_RANK = [(20, 13), (33, 0)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-@ROWS
-def test_sync_batch_norm_chains_fuse_and_match_batch_norm_over_the_global_batch(rows_per_rank, autocast, device,
-                                                                                 tmp_path):
-    spawn(workers.sync_batch_norm_chains, tmp_path, device, autocast, rows_per_rank)
+def test_sync_batch_norm_chains_fuse_and_match_batch_norm_over_the_global_batch(device, tmp_path):
+    """In fp32 and under bf16 autocast, for each split of the batch (one spawn runs every case)."""
+    cases = [(autocast, rows) for autocast in (False, True) for rows in ROWS_PER_RANK]
+    spawn(workers.sync_batch_norm_chains, tmp_path, device, cases)
 
 
 def test_sync_batch_norm_synchronizes_within_its_process_group(tmp_path):
@@ -53,15 +52,11 @@ def test_sync_batch_norm_without_peers_is_a_batch_norm_chain(joins_a_group, tmp_
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@ROWS
-def test_lone_sync_batch_norm_runs_its_own_op_and_keeps_eagers_errors(rows_per_rank, dtype, device, tmp_path):
-    spawn(workers.lone_sync_batch_norm, tmp_path, device, dtype, rows_per_rank)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_lone_sync_batch_norm_of_n_d_input_normalizes_each_channel_over_batch_and_space(device, tmp_path):
-    spawn(workers.lone_sync_batch_norm, tmp_path, device, torch.float32, (20, 13), (5, 6))
+def test_lone_sync_batch_norm_runs_its_own_op_and_keeps_eagers_errors(device, tmp_path):
+    """fp32 and float64, for each split of the batch; BatchNorm2d input (statistics per channel over the
+    batch and the space). One spawn runs every case."""
+    cases = [(dtype, rows, ()) for dtype in (torch.float32, torch.float64) for rows in ROWS_PER_RANK]
+    spawn(workers.lone_sync_batch_norm, tmp_path, device, cases + [(torch.float32, (20, 13), (5, 6))])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -64,6 +64,19 @@ def rank_group(rank: int, world_size: int, init_file: str, device: str = "cpu", 
     _leave(0)
 
 
+@contextlib.contextmanager
+def fresh_case(case: tuple):
+    """One of the cases a spawn runs in turn (a spawn costs seconds of start-up): from a clean Dynamo and
+    fusepass's counters at zero; a failing case is named in its traceback."""
+    torch._dynamo.reset()
+    counters["fusepass"].clear()
+    try:
+        yield
+    except BaseException as exc:
+        exc.add_note(f"in case {case}")
+        raise
+
+
 def _leave(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -83,39 +96,44 @@ def _init(rank: int, world_size: int, init_file: str, device: str = "cpu") -> to
     return torch.device("cpu")
 
 
-def ddp_chains(rank: int, world_size: int, init_file: str, optimize_ddp: str, device: str = "cpu") -> None:
+def ddp_chains(rank: int, world_size: int, init_file: str, device: str, modes: list) -> None:
     """DDP of TwoChainsAndALinear, eager / fusepass / float64, three training steps on each rank's own
     batch (33 rows, odd): outputs, gradients (averaged by DDP) and buffers by the float64 criterion, and
-    fusepass's counts."""
+    fusepass's counts; under each of Dynamo's `optimize_ddp` modes in turn."""
     with rank_group(rank, world_size, init_file, device) as dev:
-        torch._dynamo.config.optimize_ddp = optimize_ddp
-        torch.manual_seed(0)  # the same model on every rank (DDP also broadcasts rank 0's)
-        model = TwoChainsAndALinear().to(dev)
-        wrap = lambda m: DDP(m, bucket_cap_mb=1)  # noqa: E731
-        fused = wrap(copy.deepcopy(model))
-        compiled_autograd = optimize_ddp == "python_reducer"  # its backward graph holds DDP's all-reduces
-        fused_backward = nullcontext
-        if compiled_autograd:
-            fused_backward = lambda: torch._dynamo.compiled_autograd._enable(  # noqa: E731
-                torch.compile(backend="fusepass"))
-        trio = Trio(wrap(copy.deepcopy(model)), fused, wrap(copy.deepcopy(model).double()),
-                    torch.compile(fused, backend="fusepass"), zero_grads=("module.l1.bias", "module.l2.bias"),
-                    fused_backward=fused_backward)
-        counters["fusepass"].clear()
-        torch.manual_seed(100 + rank)  # each rank its own batches
-        for _ in range(3):
-            trio.step(make_input(33, IN, str(dev)))
-        trio.finish()
-        # DDPOptimizer cuts the graph in two (between the chains, not in one). Under python_reducer, one
-        # forward graph and compiled autograd's backward graph (fusepass's backward ops and DDP's
-        # all_reduce / wait_tensor, nothing to fuse); Dynamo traces the backward twice (its first trace
-        # asks to start again, TensorifyScalarRestartAnalysis), the backend compiles it once.
-        # On two H200s compiled autograd's backward came to the backend as 22 graphs (graph breaks in it,
-        # not investigated; the gradients are right): there the count is not pinned.
-        graphs = {"ddp_optimizer": 2, "python_reducer": 2, "no_optimization": 1}[optimize_ddp]
-        if compiled_autograd and dev.type == "cuda":
-            graphs = None
-        assert_fused(rewrites=2, graphs=graphs, linears=1)
+        for optimize_ddp in modes:
+            with fresh_case(optimize_ddp), torch._dynamo.config.patch(optimize_ddp=optimize_ddp):
+                _ddp_chains(rank, dev, optimize_ddp)
+
+
+def _ddp_chains(rank: int, dev: torch.device, optimize_ddp: str) -> None:
+    torch.manual_seed(0)  # the same model on every rank (DDP also broadcasts rank 0's)
+    model = TwoChainsAndALinear().to(dev)
+    wrap = lambda m: DDP(m, bucket_cap_mb=1)  # noqa: E731
+    fused = wrap(copy.deepcopy(model))
+    compiled_autograd = optimize_ddp == "python_reducer"  # its backward graph holds DDP's all-reduces
+    fused_backward = nullcontext
+    if compiled_autograd:
+        fused_backward = lambda: torch._dynamo.compiled_autograd._enable(  # noqa: E731
+            torch.compile(backend="fusepass"))
+    trio = Trio(wrap(copy.deepcopy(model)), fused, wrap(copy.deepcopy(model).double()),
+                torch.compile(fused, backend="fusepass"), zero_grads=("module.l1.bias", "module.l2.bias"),
+                fused_backward=fused_backward)
+    counters["fusepass"].clear()
+    torch.manual_seed(100 + rank)  # each rank its own batches
+    for _ in range(3):
+        trio.step(make_input(33, IN, str(dev)))
+    trio.finish()
+    # DDPOptimizer cuts the graph in two (between the chains, not in one). Under python_reducer, one
+    # forward graph and compiled autograd's backward graph (fusepass's backward ops and DDP's
+    # all_reduce / wait_tensor, nothing to fuse); Dynamo traces the backward twice (its first trace
+    # asks to start again, TensorifyScalarRestartAnalysis), the backend compiles it once.
+    # On two H200s compiled autograd's backward came to the backend as 22 graphs (graph breaks in it,
+    # not investigated; the gradients are right): there the count is not pinned.
+    graphs = {"ddp_optimizer": 2, "python_reducer": 2, "no_optimization": 1}[optimize_ddp]
+    if compiled_autograd and dev.type == "cuda":
+        graphs = None
+    assert_fused(rewrites=2, graphs=graphs, linears=1)
 
 
 def ddp_cut_without_grouping(rank: int, world_size: int, init_file: str) -> None:
@@ -215,61 +233,68 @@ def sync_batch_norm_without_peers(rank: int, world_size: int, init_file: str, jo
         assert_fused(rewrites=4, graphs=2, linears=2)
 
 
-def sync_batch_norm_chains(rank: int, world_size: int, init_file: str, device: str = "cpu",
-                           autocast: bool = False, rows_per_rank: tuple = ROWS_PER_RANK) -> None:
+def sync_batch_norm_chains(rank: int, world_size: int, init_file: str, device: str, cases: list) -> None:
     """SyncBatchNorm chains compiled with fusepass, against one process's BatchNorm1d model on the global
     batch (what SyncBatchNorm computes): each rank's rows of the output, the running statistics and the
     gradients, by the float64 criterion. On GPUs both run under DDP, eager is native SyncBatchNorm and the
     gradients are DDP's average (the global batch's over the world size). On CPU, where DDP and eager
     SyncBatchNorm refuse it, fusepass runs without DDP (its gradients summed over the ranks here) and
     eager is the single-process fp32 model. Three training steps, then an eval step (plain batch norm
-    with the running statistics). `autocast`: eager and fusepass under bf16 autocast, float64 without.
-    `rows_per_rank`: each rank's share of the global batch (a rank may have none)."""
+    with the running statistics). Each case is (autocast, rows_per_rank). `autocast`: eager and fusepass
+    under bf16 autocast, float64 without. `rows_per_rank`: each rank's share of the global batch (a rank
+    may have none)."""
     with rank_group(rank, world_size, init_file, device) as dev:
-        torch.manual_seed(0)
-        model = SyncChains().to(dev)
-        ref = copy.deepcopy(model).double()  # single process, global batch
-        fused = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
-        on_gpus = dev.type == "cuda"
-        if on_gpus:
-            fused = DDP(fused)
-            eager = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)))
-        else:
-            eager = copy.deepcopy(model)
-        compiled = torch.compile(fused, backend="fusepass")
-        counters["fusepass"].clear()
-        first = sum(rows_per_rank[:rank])
-        rows = slice(first, first + rows_per_rank[rank])
-        for step in range(4):
-            training = step < 3
-            for m in (eager, ref, fused):
-                m.train(training)
-            torch.manual_seed(1000 + step)  # the same global batch and upstream gradient on every rank
-            x = make_input(sum(rows_per_rank), IN, str(dev))
-            projection = torch.randn(x.shape[0], 7, dtype=torch.float64, device=dev)
-            eager_rows = rows if on_gpus else slice(None)
-            outs = {}
-            for name, fn, dtype, part in (("eager", eager, torch.float32, eager_rows),
-                                          ("ref", ref, torch.float64, slice(None)),
-                                          ("fused", compiled, torch.float32, rows)):
-                low = autocast and name != "ref"
-                with torch.autocast(dev.type, dtype=torch.bfloat16) if low else nullcontext():
-                    out = fn(x[part].to(dtype))
-                if training:
-                    (out.double() * projection[part]).sum().backward()
-                outs[name] = out
-            eager_out = outs["eager"] if on_gpus else outs["eager"][rows]
-            assert_no_further_from_float64("output", outs["fused"], eager_out, outs["ref"][rows])
+        for case in cases:
+            with fresh_case(case):
+                _sync_batch_norm_chains(rank, world_size, dev, *case)
+
+
+def _sync_batch_norm_chains(rank: int, world_size: int, dev: torch.device, autocast: bool,
+                            rows_per_rank: tuple) -> None:
+    torch.manual_seed(0)
+    model = SyncChains().to(dev)
+    ref = copy.deepcopy(model).double()  # single process, global batch
+    fused = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
+    on_gpus = dev.type == "cuda"
+    if on_gpus:
+        fused = DDP(fused)
+        eager = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)))
+    else:
+        eager = copy.deepcopy(model)
+    compiled = torch.compile(fused, backend="fusepass")
+    counters["fusepass"].clear()
+    first = sum(rows_per_rank[:rank])
+    rows = slice(first, first + rows_per_rank[rank])
+    for step in range(4):
+        training = step < 3
+        for m in (eager, ref, fused):
+            m.train(training)
+        torch.manual_seed(1000 + step)  # the same global batch and upstream gradient on every rank
+        x = make_input(sum(rows_per_rank), IN, str(dev))
+        projection = torch.randn(x.shape[0], 7, dtype=torch.float64, device=dev)
+        eager_rows = rows if on_gpus else slice(None)
+        outs = {}
+        for name, fn, dtype, part in (("eager", eager, torch.float32, eager_rows),
+                                      ("ref", ref, torch.float64, slice(None)),
+                                      ("fused", compiled, torch.float32, rows)):
+            low = autocast and name != "ref"
+            with torch.autocast(dev.type, dtype=torch.bfloat16) if low else nullcontext():
+                out = fn(x[part].to(dtype))
             if training:
-                unwrap = (lambda m: m.module) if on_gpus else (lambda m: m)  # noqa: E731
-                _compare_synced_state(unwrap(fused), unwrap(eager), ref, summed=not on_gpus, world_size=world_size)
-        patterns = [m["pattern"] for m in explain(nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)).train(),
-                                                  x[rows]).matches]
-        assert patterns == ["linear_scale_sync_batch_norm_relu", "linear_sync_batch_norm_gelu_softmax",
-                            "linear"], patterns
-        # two chains in a training graph and in an eval graph; the last Linear on fusepass's linear op in
-        # fp32 only (under autocast a bare linear is Inductor's, options.py)
-        assert_fused(rewrites=4, graphs=2, linears=0 if autocast else 2)
+                (out.double() * projection[part]).sum().backward()
+            outs[name] = out
+        eager_out = outs["eager"] if on_gpus else outs["eager"][rows]
+        assert_no_further_from_float64("output", outs["fused"], eager_out, outs["ref"][rows])
+        if training:
+            unwrap = (lambda m: m.module) if on_gpus else (lambda m: m)  # noqa: E731
+            _compare_synced_state(unwrap(fused), unwrap(eager), ref, summed=not on_gpus, world_size=world_size)
+    patterns = [m["pattern"] for m in explain(nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)).train(),
+                                              x[rows]).matches]
+    assert patterns == ["linear_scale_sync_batch_norm_relu", "linear_sync_batch_norm_gelu_softmax",
+                        "linear"], patterns
+    # two chains in a training graph and in an eval graph; the last Linear on fusepass's linear op in
+    # fp32 only (under autocast a bare linear is Inductor's, options.py)
+    assert_fused(rewrites=4, graphs=2, linears=0 if autocast else 2)
 
 
 FLOAT64_EXACT = 1e-12  # relative: float64 roundoff, far below fp32's 6e-8
@@ -306,53 +331,59 @@ def _compare_synced_state(fused: nn.Module, eager: nn.Module, ref: nn.Module, su
         m.zero_grad(set_to_none=True)
 
 
-def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str = "cpu",
-                         dtype: torch.dtype = torch.float32, rows_per_rank: tuple = ROWS_PER_RANK,
-                         spatial: tuple = ()) -> None:
+def lone_sync_batch_norm(rank: int, world_size: int, init_file: str, device: str, cases: list) -> None:
     """A SyncBatchNorm that heads no chain (its input is the model's): torch.ops.fusepass.sync_batch_norm,
     forward and backward (the input's gradient too), against BatchNorm1d on the global batch; and eager's
     error for input of the wrong dimension. A float64 model (no chain fuses float64) must be as exact
     as float64 BatchNorm1d: the project's criterion's floor of a few fp32 ulps would pass fp32 math.
-    `rows_per_rank` as for sync_batch_norm_chains. `spatial` (H, W): BatchNorm2d on (N, 12, H, W) input,
-    statistics per channel over the batch and the space."""
+    Each case is (dtype, rows_per_rank, spatial): `rows_per_rank` as for sync_batch_norm_chains,
+    `spatial` (H, W): BatchNorm2d on (N, 12, H, W) input, statistics per channel over the batch and the
+    space; () for BatchNorm1d."""
     with rank_group(rank, world_size, init_file, device) as dev:
-        torch.manual_seed(0)  # the same model on every rank
-        norm = nn.BatchNorm2d(12) if spatial else nn.BatchNorm1d(12)
-        model = nn.Sequential(norm, nn.Tanh()).to(dev, dtype)
-        randomize_batch_norm(model[0])
-        eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
-        fused = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
-        compiled = torch.compile(fused, backend="fusepass")
-        first = sum(rows_per_rank[:rank])
-        rows = slice(first, first + rows_per_rank[rank])
-        torch.manual_seed(7)
-        x = make_input(sum(rows_per_rank), 12 * math.prod(spatial), str(dev)).view(-1, 12, *spatial)
-        projection = torch.randn(x.shape, dtype=torch.float64, device=dev)
-        inputs, outs = {}, {}
-        for name, fn, in_dtype, part in (("eager", eager, dtype, slice(None)),
-                                         ("ref", ref, torch.float64, slice(None)), ("fused", compiled, dtype, rows)):
-            inputs[name] = x[part].to(in_dtype).requires_grad_()
-            outs[name] = fn(inputs[name])
-            (outs[name].double() * projection[part]).sum().backward()
-        _assert_close_to_float64("output", outs["fused"], outs["eager"][rows], outs["ref"][rows])
-        _assert_close_to_float64("grad x", inputs["fused"].grad, inputs["eager"].grad[rows], inputs["ref"].grad[rows])
-        _compare_synced_state(fused, eager, ref, summed=True, world_size=world_size)
-        assert counters["fusepass"]["rewrites"] == 0  # no chain: the op of a lone SyncBatchNorm
-        if dev.type == "cpu":  # another backend traces eager's SyncBatchNorm, which refuses CPU input
-            other = torch.compile(nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)), backend="eager")
-            try:
-                other(x[rows])
-            except ValueError as exc:
-                assert "SyncBatchNorm expected input tensor to be on GPU" in str(exc), exc
-            else:
-                raise AssertionError("another backend must run eager's SyncBatchNorm")
+        for case in cases:
+            with fresh_case(case):
+                _lone_sync_batch_norm(rank, world_size, dev, *case)
+
+
+def _lone_sync_batch_norm(rank: int, world_size: int, dev: torch.device, dtype: torch.dtype, rows_per_rank: tuple,
+                          spatial: tuple) -> None:
+    torch.manual_seed(0)  # the same model on every rank
+    norm = nn.BatchNorm2d(12) if spatial else nn.BatchNorm1d(12)
+    model = nn.Sequential(norm, nn.Tanh()).to(dev, dtype)
+    randomize_batch_norm(model[0])
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    fused = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
+    compiled = torch.compile(fused, backend="fusepass")
+    first = sum(rows_per_rank[:rank])
+    rows = slice(first, first + rows_per_rank[rank])
+    torch.manual_seed(7)
+    x = make_input(sum(rows_per_rank), 12 * math.prod(spatial), str(dev)).view(-1, 12, *spatial)
+    projection = torch.randn(x.shape, dtype=torch.float64, device=dev)
+    inputs, outs = {}, {}
+    for name, fn, in_dtype, part in (("eager", eager, dtype, slice(None)),
+                                     ("ref", ref, torch.float64, slice(None)), ("fused", compiled, dtype, rows)):
+        inputs[name] = x[part].to(in_dtype).requires_grad_()
+        outs[name] = fn(inputs[name])
+        (outs[name].double() * projection[part]).sum().backward()
+    _assert_close_to_float64("output", outs["fused"], outs["eager"][rows], outs["ref"][rows])
+    _assert_close_to_float64("grad x", inputs["fused"].grad, inputs["eager"].grad[rows], inputs["ref"].grad[rows])
+    _compare_synced_state(fused, eager, ref, summed=True, world_size=world_size)
+    assert counters["fusepass"]["rewrites"] == 0  # no chain: the op of a lone SyncBatchNorm
+    if dev.type == "cpu":  # another backend traces eager's SyncBatchNorm, which refuses CPU input
+        other = torch.compile(nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)), backend="eager")
         try:
-            compiled(torch.randn(5, device=dev))
+            other(x[rows])
         except ValueError as exc:
-            # eager's message: SyncBatchNorm's own check, any BatchNorm*d it replaced
-            assert "expected at least 2D input (got 1D input)" in str(exc), exc
+            assert "SyncBatchNorm expected input tensor to be on GPU" in str(exc), exc
         else:
-            raise AssertionError("a 1-D input must raise eager's ValueError")
+            raise AssertionError("another backend must run eager's SyncBatchNorm")
+    try:
+        compiled(torch.randn(5, device=dev))
+    except ValueError as exc:
+        # eager's message: SyncBatchNorm's own check, any BatchNorm*d it replaced
+        assert "expected at least 2D input (got 1D input)" in str(exc), exc
+    else:
+        raise AssertionError("a 1-D input must raise eager's ValueError")
 
 
 def collective_counts(rank: int, world_size: int, init_file: str, device: str = "cpu") -> None:
