@@ -14,7 +14,7 @@ from torch.fx import GraphModule
 from fusepass import ddp, sync_batch_norm, timing
 from fusepass.compile_context import mark_fusepass_backend
 from fusepass.families import FAMILIES
-from fusepass.lowering.schema import Kernel
+from fusepass.lowering.schema import KernelOptions
 from fusepass.matcher import Match, Miss, find_chains, source_line
 from fusepass.model_state import state_restored
 
@@ -109,7 +109,7 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
         ddp.inline_chains(gm)  # a DDP piece's chains, held whole across the bucket cuts (ddp.py)
         matches, misses = find_chains(gm.graph, FAMILIES)
         for match in matches:
-            match.verdict = timing.recorded(gm, match, Kernel())
+            match.verdict = timing.recorded(gm, match, KernelOptions())
         report.add_graph(matches, misses)
         return gm.forward
 

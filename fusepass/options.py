@@ -12,8 +12,9 @@ from torch._inductor import config as inductor_config
 
 from fusepass.families import FAMILIES
 from fusepass.families.bare_linear import FAMILY as BARE_LINEAR
-from fusepass.lowering.schema import Kernel
+from fusepass.lowering.schema import KernelOptions
 from fusepass.lowering.tuning import source_hash
+
 
 class FusepassFallbackWarning(UserWarning):
     """A graph could not use fused ops and runs with the fallback compiler instead."""
@@ -46,7 +47,7 @@ class Options:
     mode: str = "default"
     debug_dir: Optional[str] = None
     fallback: str = "inductor"
-    kernel: Kernel = Kernel()  # the fused ops' own options, passed to each op in the graph
+    kernel: KernelOptions = KernelOptions()  # the fused ops' own options, passed to each op in the graph
     bare_linear: bool = True
     time_unfused: bool = False
     inductor_patches: dict[str, Any] = field(default_factory=dict)
@@ -67,7 +68,7 @@ class Options:
         _launch_fused_kernels_statically(patches)
         _key_caches_on_fusepass_source(patches)
         debug_dir = own.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
-        kernel = Kernel(**{key: own[key] for key in ("fp32_matmul", "gemm") if key in own})
+        kernel = KernelOptions(**{key: own[key] for key in ("fp32_matmul", "gemm") if key in own})
         kernel.validate()
         defaults = {"bare_linear": True, "time_unfused": os.environ.get(TIME_UNFUSED_ENV) == "1"}
         flags = {key: own.get(key, default) for key, default in defaults.items()}

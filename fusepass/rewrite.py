@@ -6,11 +6,11 @@ import copy
 
 from torch.fx import Graph, GraphModule, Node
 
-from fusepass.lowering.schema import Kernel
+from fusepass.lowering.schema import KernelOptions
 from fusepass.matcher import Match
 
 
-def apply(gm: GraphModule, matches: list[Match], kernel: Kernel = Kernel()) -> None:
+def apply(gm: GraphModule, matches: list[Match], kernel: KernelOptions = KernelOptions()) -> None:
     """Replaces every match in `gm` (find_chains's, on gm's graph) with its family's fused op."""
     replaced: dict[Node, Node] = {}  # a chain's last node -> what replaced it (a chain may feed another)
     for match in matches:

@@ -32,7 +32,7 @@ from torch._dynamo.metrics_context import MetricsContext
 from torch.fx import Graph, GraphModule, Node
 
 from fusepass.lowering import tuning
-from fusepass.lowering.schema import Kernel
+from fusepass.lowering.schema import KernelOptions
 from fusepass.lowering.tuning import TUNER, Problem, bucket
 from fusepass.numerics import no_further_than_eager, rel_error
 from fusepass.matcher import Match, Miss, find_chains, meta_value
@@ -56,7 +56,7 @@ class Verdict:
 Compiler = Callable[[GraphModule, list], Callable]
 
 
-def keep_faster(gm: GraphModule, matches: list[Match], example_inputs: list, kernel: Kernel,
+def keep_faster(gm: GraphModule, matches: list[Match], example_inputs: list, kernel: KernelOptions,
                 compile_fn: Compiler) -> tuple[list[Match], list[Miss]]:
     """The matches that run fused, and a miss for each left to Inductor's faster code. Each is timed on
     `gm` as given (before any is replaced); its verdict is kept on the match for the report."""
@@ -71,7 +71,7 @@ def keep_faster(gm: GraphModule, matches: list[Match], example_inputs: list, ker
     return kept, left
 
 
-def decide(gm: GraphModule, match: Match, example_inputs: list, kernel: Kernel,
+def decide(gm: GraphModule, match: Match, example_inputs: list, kernel: KernelOptions,
            compile_fn: Compiler) -> Verdict:
     """The verdict for `match` in `gm` (not yet rewritten); `example_inputs` are the graph's inputs,
     `compile_fn` compiles a graph module as the backend compiles the rest (Inductor)."""
@@ -85,7 +85,7 @@ def decide(gm: GraphModule, match: Match, example_inputs: list, kernel: Kernel,
         return Verdict(True, f"{FUSED}: not timed against Inductor: {exc!r}")
 
 
-def recorded(gm: GraphModule, match: Match, kernel: Kernel) -> str:
+def recorded(gm: GraphModule, match: Match, kernel: KernelOptions) -> str:
     """What a compile would decide for `match` without timing anything: the cached verdict, or why
     there is none yet."""
     untimed = _why_not_timed(match)
@@ -95,14 +95,15 @@ def recorded(gm: GraphModule, match: Match, kernel: Kernel) -> str:
     return _describe(problem, choice) if choice else NOT_YET_TIMED
 
 
-def _cached(gm: GraphModule, match: Match, kernel: Kernel) -> tuple[GraphModule, Problem, Optional[str]]:
+def _cached(gm: GraphModule, match: Match, kernel: KernelOptions) -> tuple[GraphModule, Problem, Optional[str]]:
     """The match's nodes alone (extract), its problem key, and the verdict cached for it, if any."""
     unfused = extract(gm, match.nodes)
     problem = problem_key(match, unfused, kernel)
     return unfused, problem, TUNER.cached(problem, meta_value(match.last).device)
 
 
-def _time_both(gm: GraphModule, match: Match, example_inputs: list, kernel: Kernel, compile_fn: Compiler) -> Verdict:
+def _time_both(gm: GraphModule, match: Match, example_inputs: list, kernel: KernelOptions,
+               compile_fn: Compiler) -> Verdict:
     unfused, problem, cached = _cached(gm, match, kernel)
     if cached:  # nothing to compile or run
         return Verdict(cached == FUSED, _describe(problem, cached))
@@ -265,7 +266,7 @@ def _isolated():
                 tls.metrics_context = saved
 
 
-def problem_key(match: Match, sub: GraphModule, kernel: Kernel) -> Problem:
+def problem_key(match: Match, sub: GraphModule, kernel: KernelOptions) -> Problem:
     """What the verdict depends on. Family: the match's pattern, train or eval, its inputs (dtype, rank,
     dimension order of the strides, whether a gradient flows), its features, the ambient precision
     (autocast, TF32, grad mode) and the fused op's options. Bucket: its rows rounded up to a power of two,

@@ -476,7 +476,7 @@ def test_kernel_options_are_validated():
         torch.compile(ChainModel(), backend="fusepass", options={"gemm": "cutlass"})(make_input(6, 32))
 
 
-OPAQUE_CALL = "= torch.ops.fusepass.linear_scale_batch_norm_opaque.default("
+OPAQUE_CALL = "= torch.ops.fusepass.batch_norm_chain_opaque.default("
 
 
 def _compiled_code(model, *inputs) -> str:
@@ -495,7 +495,7 @@ def test_where_the_fused_op_runs_in_the_compiled_graph(device, training):
     model = ChainModel(softmax="functional").to(device).train(training)
     code = _compiled_code(model, make_input(16, 32, device))
     if device == "cuda":
-        assert "linear_scale_batch_norm_opaque" not in code
+        assert "batch_norm_chain_opaque" not in code
         kernels = ("_gemm_kernel", "normalize_softmax_kernel", "partial_stats_kernel")
         assert any(name in code for name in kernels)
     else:
@@ -548,7 +548,7 @@ def test_a_symbolic_batch_is_traced_like_a_static_one(device, training):
     torch._dynamo.mark_dynamic(x, 0)
     code = _compiled_code(model, x)
     if device == "cuda":
-        assert "linear_scale_batch_norm_opaque" not in code and "_gemm_kernel" in code
+        assert "batch_norm_chain_opaque" not in code and "_gemm_kernel" in code
     else:
         assert code.count(OPAQUE_CALL) == 1
     assert_fused(rewrites=1, graphs=1)

@@ -61,7 +61,7 @@ def test_explain_and_dump():
     assert "1 rewrite(s), 0 miss(es)" in out
     for part in ("before.py", "after.py", "report.txt"):
         assert f"_{part} =====" in out
-    assert "torch.ops.fusepass.linear_scale_batch_norm.default" in out
+    assert "torch.ops.fusepass.batch_norm_chain.default" in out
 
 
 def test_ddp_train_demo_runs_under_torchrun_on_cpu(tmp_path):

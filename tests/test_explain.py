@@ -51,8 +51,8 @@ def _check_dump(directory):
     assert len(before) == len(after) == len(reports) == 1
     assert "torch.nn.functional.batch_norm" in before[0].read_text()
     after_code = after[0].read_text()
-    assert "torch.ops.fusepass.linear_scale_batch_norm.default" in after_code
-    assert "batch_norm(" not in after_code.replace("linear_scale_batch_norm", "")
+    assert "torch.ops.fusepass.batch_norm_chain.default" in after_code
+    assert "batch_norm(" not in after_code.replace("batch_norm_chain", "")
     assert "1 rewrite(s)" in reports[0].read_text()
 
 
@@ -98,7 +98,7 @@ def test_the_dump_and_the_report_name_each_fused_ops_source_lines(tmp_path):
     [after] = tmp_path.glob("graph_*_after.py")
     code = after.read_text()
     assert "No stacktrace found" not in code
-    [listed] = [line for line in code.splitlines() if line.startswith("#   linear_scale_batch_norm_default: ")]
+    [listed] = [line for line in code.splitlines() if line.startswith("#   batch_norm_chain_default: ")]
     sources = listed.split(": ", 1)[1].split(", ")
     chains = str(Path(__file__).parent / "chains.py")
     # linear, the multiply (its innermost frame: inside ChainModel._mul), batch norm

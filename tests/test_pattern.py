@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from fusepass.families import linear_batch_norm
 from fusepass.families.linear_batch_norm import FUSED_OP
-from fusepass.lowering.schema import Kernel
+from fusepass.lowering.schema import KernelOptions
 from fusepass.matcher import find_chains
 from fusepass.rewrite import apply
 from tests.chains import Between, ChainModel, SecondUser, ThreeD, TwoChains, make_input
@@ -19,7 +19,7 @@ from tests.chains import Between, ChainModel, SecondUser, ThreeD, TwoChains, mak
 CHAINS = (linear_batch_norm.FAMILY,)
 
 
-def rewrite(gm, kernel=Kernel(), families=CHAINS):
+def rewrite(gm, kernel=KernelOptions(), families=CHAINS):
     """The backend's find and apply stages on gm: (matches, misses)."""
     matches, misses = find_chains(gm.graph, families)
     apply(gm, matches, kernel)
@@ -157,7 +157,7 @@ def op_arguments(node):
 
 def test_kernel_options_become_op_arguments():
     gm = single_graph(ChainModel(), make_input(8, 32))
-    rewrite(gm, Kernel(fp32_matmul="ieee", gemm="cublas"), CHAINS)
+    rewrite(gm, KernelOptions(fp32_matmul="ieee", gemm="cublas"), CHAINS)
     [fused] = [n for n in gm.graph.nodes if n.target is FUSED_OP]
     assert (op_arguments(fused)["kernel_fp32_matmul"], op_arguments(fused)["kernel_gemm"]) == ("ieee", "cublas")
 

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fusepass
-from fusepass.lowering import gemm, passes, tuning
+from fusepass.lowering import gemm, normalize, tuning
 from tests.chains import DEVICES, ChainModel, Trio, assert_fused, make_input, requires_cuda
 
 TRAIN_SIZES = (24, 24, 17, 24, 40, 9, 2)  # 2 rows: the fewest batch norm trains on
@@ -109,7 +109,7 @@ def test_opaque_op_runs_any_row_count_on_one_compile(fused_chain, tuned, monkeyp
     64, 48 and 37 rows, divisible by 16 or not) tune once and compile each kernel once: the row count is
     never specialized."""
     monkeypatch.setenv("FUSEPASS_OPAQUE", "1")
-    kernels = (gemm._gemm_kernel, gemm._tf32_split_kernel, passes.normalize_kernel, passes.finalize_stats_kernel)
+    kernels = (gemm._gemm_kernel, gemm._tf32_split_kernel, normalize.normalize_kernel, normalize.finalize_stats_kernel)
     trio = fused_chain("cuda")
     trio.train(True)
     trio.step(make_input(64, 32, "cuda"))

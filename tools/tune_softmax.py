@@ -1,5 +1,5 @@
 """Times the row-softmax output pass alone for a few launch configurations, through the public
-`fusepass.lowering.passes.output_pass` (GPU).
+`fusepass.lowering.normalize.output_pass` (GPU).
 Usage: python tools/tune_softmax.py [--rows N] [--features F]"""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ def main() -> None:
     import torch
     import triton
 
-    from fusepass.lowering import passes
-    from fusepass.lowering.schema import BatchNorm, ChainArgs, Kernel, Linear, Scale, Tail
+    from fusepass.lowering import normalize
+    from fusepass.lowering.schema import BatchNorm, ChainArgs, KernelOptions, Linear, Scale, Tail
 
     n, f = args.rows, args.features
     y = torch.randn(n, f, device="cuda")
@@ -27,15 +27,15 @@ def main() -> None:
                    training=False, momentum=0.1, eps=1e-5)
     chain = ChainArgs(linear=Linear(y, y, None), scale_before=Scale(), batch_norm=bn,
                       tail=Tail("mul(v0,t0)", torch.ones(1, device="cuda")), softmax=True, out_dtype=torch.float32,
-                      save_linear_out=False, kernel=Kernel())
-    stats = passes.Statistics.allocate(f, "cuda", bn)
-    passes.finalize_statistics(stats, None, n)  # the pass reads mean/invstd, as after a GEMM epilogue
+                      save_linear_out=False, kernel=KernelOptions())
+    stats = normalize.Statistics.allocate(f, "cuda", bn)
+    normalize.finalize_statistics(stats, None, n)  # the pass reads mean/invstd, as after a GEMM epilogue
     out = torch.empty_like(y)
     floor_ms = 3 * n * f * 4 / 4.2e12 * 1e3  # read y twice (the second sweep may hit L2), write out
     print(f"floor (3 passes of {n * f * 4 / 2**20:.0f} MB at 4.2 TB/s): {floor_ms:.3f} ms")
     for block_r, block_c, warps in itertools.product((1, 2, 4), (1024, 2048, 4096), (4, 8, 16)):
-        launch = passes.SoftmaxLaunch(block_r, block_c, warps)
-        ms = triton.testing.do_bench(lambda: passes.output_pass(y, chain, stats, out, launch), warmup=25, rep=100,
+        launch = normalize.SoftmaxLaunch(block_r, block_c, warps)
+        ms = triton.testing.do_bench(lambda: normalize.output_pass(y, chain, stats, out, launch), warmup=25, rep=100,
                                      return_mode="median")
         print(f"BLOCK_R={block_r} BLOCK_C={block_c} warps={warps}: {ms:.4f} ms", flush=True)
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import Graph, Node
 
-from fusepass.lowering.schema import Kernel
+from fusepass.lowering.schema import KernelOptions
 from fusepass.families.linear import LINEAR_TARGETS, LinearArgs, parse_linear
 from fusepass.matcher import ChainFamily, Match, NoMatch, Step, carry_sources, meta_value
 
@@ -41,7 +41,7 @@ def parse_bare_linear(node: Node) -> list[tuple[LinearArgs, Optional[Node]]]:
 LINEAR = Step("linear", "linear", LINEAR_TARGETS, parse_bare_linear)
 
 
-def replace(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Kernel) -> Node:
+def replace(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: KernelOptions) -> Node:
     lin, last = match.get("linear"), match.last
     x = replaced.get(lin.x, lin.x)
     with graph.inserting_before(last):

@@ -1,6 +1,6 @@
 """The family `head -> [* s1] -> batch_norm -> [pointwise tail] -> [softmax over the features]`, the head
 a linear or a matmul by an (in, out) weight with an optional bias added, and its replacement, one call of
-`torch.ops.fusepass.linear_scale_batch_norm` (fusepass/lowering/).
+`torch.ops.fusepass.batch_norm_chain` (fusepass/lowering/).
 
 Pattern: the steps below, anchored on batch_norm. Replacement: the op, its arguments built by name
 (ChainArgs) from the steps' normalized arguments; in training, copies of the op's new running
@@ -24,7 +24,7 @@ from fusepass.families.linear import (LINEAR_TARGETS, MATMUL_TARGETS, SUPPORTED_
 from fusepass.families.tail import (DROPOUT_TARGETS, SOFTMAX_TARGETS, TAIL_TARGETS, TailArgs, grow_tail,
                                     parse_identity_dropout)
 from fusepass.lowering.pointwise import MAX_TAIL_TENSORS
-from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Kernel, Linear, Scale, Tail, flatten
+from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, KernelOptions, Linear, Scale, Tail, flatten
 from fusepass.matcher import ChainFamily, Match, NoMatch, Step, bind_arguments, carry_sources, is_call, meta_value
 from fusepass.sync_batch_norm import sync_batch_norm
 
@@ -129,7 +129,7 @@ def parse_softmax(node: Node) -> list[tuple[SoftmaxArgs, Optional[Node]]]:
 
 # --------------------------------------------------------------------------- the family
 
-FUSED_OP = torch.ops.fusepass.linear_scale_batch_norm.default
+FUSED_OP = torch.ops.fusepass.batch_norm_chain.default
 
 HEAD = Step("linear", "linear", LINEAR_TARGETS + MATMUL_TARGETS, parse_head)  # named by its args: linear, matmul
 BIAS = Step("bias", "add", ADD_TARGETS, parse_bias, optional=True)
@@ -144,7 +144,7 @@ TAIL = Step("tail", "tail", TAIL_TARGETS, None, optional=True, grow=grow_tail)
 SOFTMAX = Step("softmax", "softmax", SOFTMAX_TARGETS, parse_softmax, optional=True)
 
 
-def replace(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Kernel) -> Node:
+def replace(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: KernelOptions) -> Node:
     """Puts FUSED_OP in place of the match; returns the node that now stands for the chain's output.
     `replaced` maps the last nodes of chains replaced earlier to their new nodes (a chain may feed
     another)."""
@@ -168,7 +168,7 @@ def replace(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Kern
     return out
 
 
-def _op_args(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Kernel, result) -> ChainArgs:
+def _op_args(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: KernelOptions, result) -> ChainArgs:
     """The op's arguments for a match, as graph nodes and constants."""
     linear, bn = match.get("linear"), match.get("batch_norm")
     # Under autocast the linear runs in a lower precision than its inputs: the op sees that dtype.

@@ -37,7 +37,7 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:
 def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tuple:
     (x, weight, scale_tensor, bn_weight, bn_bias, *tail_tensors, linear_out, mean, invstd, out) = ctx.saved_tensors
     if not ctx.save_linear_out:
-        raise RuntimeError("fusepass.linear_scale_batch_norm was called with save_linear_out=False; no backward")
+        raise RuntimeError("fusepass.batch_norm_chain was called with save_linear_out=False; no backward")
     need: ChainArgs = unflatten(ctx.needs_input_grad)
     s1 = Scale(scale_tensor, ctx.scale_before_value)
     y = linear_out.float()

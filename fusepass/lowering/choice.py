@@ -21,7 +21,7 @@ from fusepass.lowering.launch import hint
 from fusepass.lowering.schema import FLAT_NAMES, ChainArgs, flatten, unflatten
 from fusepass.lowering.tuning import Problem, bucket
 
-OP_NAME = "fusepass::linear_scale_batch_norm"
+OP_NAME = "fusepass::batch_norm_chain"
 TRITON_GEMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -1,7 +1,7 @@
 """The fused op's two CUDA implementations. Both return the op's outputs; they differ in the GEMM.
 
 - `on_triton_gemm`: fusepass's Triton GEMM (gemm.py) with the statistics (training) or the whole
-  eval-mode normalization in its epilogue, then the passes after it (passes.py) where still needed.
+  eval-mode normalization in its epilogue, then the passes after it (normalize.py) where still needed.
 - `on_cublas`: cuBLAS's GEMM (F.linear, as eager), then every pass after it.
 
 Both take arguments the op has validated (ChainArgs.validate, at the op's entry points). `Implementation`
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from fusepass.lowering import gemm, limits
 from fusepass.lowering.launch import tracing
-from fusepass.lowering.passes import Partials, Statistics, normalize_linear_output, normalize_training, output_pass
+from fusepass.lowering.normalize import Partials, Statistics, normalize_linear_output, normalize_training, output_pass
 from fusepass.lowering.schema import ChainArgs, ChainOutputs, flatten
 
 

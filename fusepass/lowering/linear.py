@@ -25,7 +25,7 @@ from fusepass.lowering.choice import (cublas_traceable, gemm_option, matmul_prec
                                       triton_configs)
 from fusepass.lowering.implementations import cublas_precision
 from fusepass.lowering.launch import hint
-from fusepass.lowering.schema import Kernel, Linear
+from fusepass.lowering.schema import KernelOptions, Linear
 from fusepass.lowering.tuned_op import Declaration, TunedOp
 from fusepass.lowering.tuning import Problem, bucket
 
@@ -41,8 +41,8 @@ class LinearCall(NamedTuple):
     kernel_gemm: str
 
     @property
-    def kernel(self) -> Kernel:
-        return Kernel(self.kernel_fp32_matmul, self.kernel_gemm)
+    def kernel(self) -> KernelOptions:
+        return KernelOptions(self.kernel_fp32_matmul, self.kernel_gemm)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_fp32_matmul: str, kernel_gemm: str) -> Tensor:
@@ -203,7 +203,7 @@ LINEAR = TunedOp(Declaration(
 ))
 
 
-def call(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: Kernel) -> Tensor:
+def call(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: KernelOptions) -> Tensor:
     return torch.ops.fusepass.linear(x, weight, bias, kernel.fp32_matmul, kernel.gemm)
 
 
@@ -213,7 +213,7 @@ def call(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: Kernel) -> T
 def _setup_context(ctx, inputs: tuple, output: Tensor) -> None:
     x, weight, bias, fp32_matmul, gemm_choice = inputs
     ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
-    ctx.kernel = Kernel(fp32_matmul, gemm_choice)
+    ctx.kernel = KernelOptions(fp32_matmul, gemm_choice)
     ctx.bias_dtype = bias.dtype if bias is not None else None
 
 

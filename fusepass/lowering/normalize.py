@@ -1,6 +1,6 @@
-"""The passes after the GEMM, launched: a statistics pass after cuBLAS, an optional finalize launch,
-and the output pass (pass_kernels.py has the kernels and their STATS_SOURCE modes); the statistics they
-work on, and how each is launched."""
+"""Normalizing the GEMM's output, launched: a statistics pass after cuBLAS, an optional finalize launch,
+and the output pass (normalize_kernels.py has the kernels and their STATS_SOURCE modes); the statistics
+they work on, and how each is launched."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import Tensor
 
 from fusepass.lowering import pointwise, sync
 from fusepass.lowering.launch import hint, launch, present_or_placeholder, unused_pointer
-from fusepass.lowering.pass_kernels import (STATS_MERGE, STATS_READ, STATS_RUNNING, finalize_stats_kernel,
+from fusepass.lowering.normalize_kernels import (STATS_MERGE, STATS_READ, STATS_RUNNING, finalize_stats_kernel,
                                             normalize_kernel, normalize_softmax_kernel, partial_stats_kernel)
 from fusepass.lowering.reference import new_running_stat_shape, running_stats_dtype, updated_running_stats
 from fusepass.lowering.schema import BatchNorm, ChainArgs, Scale, Tail

@@ -1,4 +1,4 @@
-"""The Triton kernels of the passes after the GEMM (passes.py launches them).
+"""The Triton kernels of the passes after the GEMM (normalize.py launches them).
 
 After a GEMM that computed no statistics (cuBLAS), a statistics kernel writes per strip of rows and per
 feature the mean and M2 of z = y * s1 (the Triton GEMM writes these in its epilogue instead). The

@@ -1,4 +1,4 @@
-"""The fused operator: `torch.ops.fusepass.linear_scale_batch_norm`, declared as a tuned op (tuned_op.py),
+"""The fused operator: `torch.ops.fusepass.batch_norm_chain`, declared as a tuned op (tuned_op.py),
 with its fake and its autograd formula. It takes ChainArgs flattened (schema.py) and returns the six
 ChainOutputs; new_running_* are empty unless training with running statistics, linear_out is empty
 unless save_linear_out. In training the rewritten graph copies the new running statistics into the
@@ -21,7 +21,7 @@ from fusepass.lowering.tuned_op import Declaration, TunedOp
 
 
 @with_op_signature
-def linear_scale_batch_norm(*op_args, **op_kwargs) -> tuple:
+def batch_norm_chain(*op_args, **op_kwargs) -> tuple:
     """The op's signature (schema.ChainArgs, flattened)."""
 
 
@@ -41,7 +41,7 @@ def fake(args: ChainArgs) -> ChainOutputs:
 
 CHAIN = TunedOp(Declaration(
     name=choice.OP_NAME,
-    signature=linear_scale_batch_norm,
+    signature=batch_norm_chain,
     bind=bind,
     flatten=flatten,
     device=lambda args: args.linear.x.device,
@@ -57,4 +57,4 @@ CHAIN.traced.register_autograd(backward.backward, setup_context=backward.setup_c
 
 def call(args: ChainArgs) -> ChainOutputs:
     """The op on ChainArgs, with its outputs by name."""
-    return ChainOutputs(*torch.ops.fusepass.linear_scale_batch_norm(*flatten(args)))
+    return ChainOutputs(*torch.ops.fusepass.batch_norm_chain(*flatten(args)))

@@ -90,7 +90,7 @@ class BatchNorm:
 
 
 @dataclass(frozen=True)
-class Kernel:
+class KernelOptions:
     """How the CUDA implementation runs (the backend's options `fp32_matmul` and `gemm`)."""
     fp32_matmul: str = "tf32x3"  # "tf32x3" (fp32-accurate on tensor cores) or "ieee" (plain fp32 FMA)
     gemm: str = "auto"  # "auto" (time the implementations), "triton" or "cublas"
@@ -110,7 +110,7 @@ class ChainArgs:
     softmax: bool  # softmax over the features, max-subtracted, in fp32
     out_dtype: torch.dtype
     save_linear_out: bool  # also return the linear output: the backward needs it
-    kernel: Kernel
+    kernel: KernelOptions
 
     def validate(self) -> None:
         """The checks eager makes (with eager's messages) and the kernel options'."""

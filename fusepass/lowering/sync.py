@@ -31,7 +31,7 @@ def moments(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def merge_strips(part_mean: Tensor, part_m2: Tensor, rows_per_part: int, n_rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(count, mean, M2) of the whole batch from its row strips' (mean, M2) (Partials, passes.py)."""
+    """(count, mean, M2) of the whole batch from its row strips' (mean, M2) (Partials, normalize.py)."""
     n_parts = part_mean.shape[0]
     if n_parts == 0:  # a rank without rows
         zeros = part_mean.new_zeros(part_mean.shape[1])

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusepass.lowering import passes
-from fusepass.lowering.schema import BatchNorm, ChainArgs, Kernel, Linear, Scale, Tail
+from fusepass.lowering import normalize
+from fusepass.lowering.schema import BatchNorm, ChainArgs, KernelOptions, Linear, Scale, Tail
 from tests.chains import assert_no_further_from_float64, requires_cuda
 
 # Where the Triton launchers run: natively on a GPU, else in Triton's interpreter on CPU tensors.
@@ -56,7 +56,7 @@ def make_args(n: int, k: int, f: int, *, scale: Optional[str] = "per_feature", s
               training: bool = True,
               momentum: float = 0.1, eps: float = 1e-5, dtype: torch.dtype = torch.float32,
               out_dtype: Optional[torch.dtype] = None, device: str = KERNEL_DEVICE, requires_grad: bool = False,
-              save_linear_out: bool = False, kernel: Kernel = Kernel(), seed: int = 0) -> ChainArgs:
+              save_linear_out: bool = False, kernel: KernelOptions = KernelOptions(), seed: int = 0) -> ChainArgs:
     """Random arguments: no parameter at a value (1, 0) that could hide a bug, batch statistics not
     centred already, running statistics away from their initial values. `tail` names one of TAILS;
     `scale_after` is the tail "scale_<kind>"."""
@@ -158,7 +158,7 @@ def record_launches(monkeypatch) -> list[str]:
     """Records, in order, the names of the pass kernels launched from here on."""
     launched = []
     for name in PASS_KERNELS:
-        monkeypatch.setattr(passes, name, _Recording(getattr(passes, name), name, launched))
+        monkeypatch.setattr(normalize, name, _Recording(getattr(normalize, name), name, launched))
     return launched
 
 

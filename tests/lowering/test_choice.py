@@ -7,12 +7,12 @@ import torch
 
 from fusepass.lowering import choice, gemm, op
 from fusepass.lowering.implementations import Implementation
-from fusepass.lowering.schema import Kernel, Linear
+from fusepass.lowering.schema import KernelOptions, Linear
 from tests.lowering.cases import assert_like_eager, make_args
 
 
 def with_operands(args, x, weight, gemm_option="auto", fp32_matmul="tf32x3"):
-    return dataclasses.replace(args, linear=Linear(x, weight, None), kernel=Kernel(fp32_matmul, gemm_option))
+    return dataclasses.replace(args, linear=Linear(x, weight, None), kernel=KernelOptions(fp32_matmul, gemm_option))
 
 
 def candidates(args, traced=False):
@@ -106,7 +106,7 @@ def test_choice_is_remembered_per_problem(monkeypatch):
     assert chosen == Implementation("tf32x3", gemm.gemm_configs("tf32x3", torch.float32)[0])
     assert list(op.CHAIN._chosen) == [(choice.problem(args, False), False)]
     assert op.CHAIN.choose(make_args(10, 16, 8), traced=False) is chosen  # the same bucket
-    op.CHAIN.choose(dataclasses.replace(args, kernel=Kernel(gemm="cublas")), traced=False)
+    op.CHAIN.choose(dataclasses.replace(args, kernel=KernelOptions(gemm="cublas")), traced=False)
     assert len(op.CHAIN._chosen) == 2
 
 

@@ -119,7 +119,7 @@ def test_half_precision_implementations(impl, precision, training, dtype):
 def test_launches_after_the_gemm(monkeypatch, softmax):
     """Eval without softmax: the GEMM epilogue normalizes, no pass after it. Otherwise one output pass,
     which in training merges the GEMM's per-tile statistics itself (few row tiles here), except a softmax
-    pass, which reads them from a finalize launch (passes.normalize_training says why). After cuBLAS: the
+    pass, which reads them from a finalize launch (normalize.normalize_training says why). After cuBLAS: the
     statistics pass (training) and the output pass, likewise."""
     launched = record_launches(monkeypatch)
     output_kernel = "normalize_softmax_kernel" if softmax else "normalize_kernel"

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from fusepass.lowering import gemm, linear
-from fusepass.lowering.schema import Kernel
+from fusepass.lowering.schema import KernelOptions
 from tests.chains import assert_no_further_from_float64, requires_cuda
 from tests.lowering.cases import KERNEL_DEVICE
 
@@ -77,7 +77,7 @@ def test_short_search_times_fewer_configs_and_small_tiles_only_where_sms_idle():
 def test_op_on_cpu_is_eager_linear_with_its_gradients():
     g = torch.Generator().manual_seed(4)
     x, w, b = (torch.randn(s, generator=g, requires_grad=True) for s in ((9, 13), (6, 13), (6,)))
-    out = linear.call(x, w, b, Kernel())
+    out = linear.call(x, w, b, KernelOptions())
     x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
     ref = F.linear(x2, w2, b2)
     assert torch.equal(out, ref)
@@ -108,7 +108,7 @@ def test_op_and_its_gradients_no_further_from_float64_than_eager_on_cuda(gemm_ch
     for name in ("fused", "eager", "float64"):
         x, w, b = (t.detach().clone().to(torch.float64 if name == "float64" else torch.float32).requires_grad_()
                    for t in leaves)
-        out = linear.call(x, w, b, Kernel(gemm=gemm_choice)) if name == "fused" else F.linear(x, w, b)
+        out = linear.call(x, w, b, KernelOptions(gemm=gemm_choice)) if name == "fused" else F.linear(x, w, b)
         (out.double() * upstream).sum().backward()
         results[name] = (out, x.grad, w.grad, b.grad)
     for i, what in enumerate(("out", "grad x", "grad weight", "grad bias")):

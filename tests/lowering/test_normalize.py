@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusepass.lowering import passes
+from fusepass.lowering import normalize
 from fusepass.lowering.schema import ChainOutputs
 from tests.chains import assert_no_further_from_float64
 from tests.lowering.cases import (HALF_DTYPES, KERNEL_DEVICE, SCALE_KINDS, TAILS, assert_like_eager, make_args,
@@ -16,13 +16,17 @@ def run_passes(args, y=None):
     """The passes on y (default: eager's linear output), as the op's outputs."""
     if y is None:
         y = F.linear(args.linear.x, args.linear.weight, args.linear.bias)
-    out, stats = passes.normalize_linear_output(y, args)
+    out, stats = normalize.normalize_linear_output(y, args)
     return y, ChainOutputs(out, stats.new_mean, stats.new_var, y.new_empty(0), stats.mean, stats.invstd)
 
 
-@pytest.mark.parametrize("n, k, f", [(37, 23, 19), (2, 5, 3), (130, 17, 67), (2100, 3, 5)])
+# Each scale kind on the masked shapes; the many-strip batch (2100 rows) with the per-feature scale only
+# (how the scale is read does not depend on the row count)
+PASS_CASES = [(*shape, scale) for shape in ((37, 23, 19), (2, 5, 3), (130, 17, 67)) for scale in SCALE_KINDS]
+
+
+@pytest.mark.parametrize("n, k, f, scale", PASS_CASES + [(2100, 3, 5, "per_feature")])
 @pytest.mark.parametrize("training", [True, False])
-@pytest.mark.parametrize("scale", SCALE_KINDS)
 def test_passes_match_eager_by_float64(n, k, f, training, scale):
     args = make_args(n, k, f, scale=scale, training=training, momentum=0.3)
     y, fused = run_passes(args)
@@ -58,7 +62,7 @@ def test_statistics_are_stable_for_large_means():
     g = torch.Generator().manual_seed(0)
     y = (torch.randn(n, f, dtype=torch.float64, generator=g) + 1e4).float().to(KERNEL_DEVICE)
     args = make_args(n, 3, f, scale=None, affine=False, running=False)
-    _, stats = passes.normalize_linear_output(y, args)
+    _, stats = normalize.normalize_linear_output(y, args)
     exact_invstd = 1.0 / torch.sqrt(y.double().var(0, unbiased=False) + 1e-5)
     assert torch.allclose(stats.mean.double(), y.double().mean(0), rtol=4 * 2.0**-23, atol=0)  # a few fp32 ulps
     assert torch.allclose(stats.invstd.double(), exact_invstd, rtol=1e-4, atol=0)
@@ -68,13 +72,17 @@ def test_nan_propagates_like_eager():
     args = make_args(20, 5, 4)
     y = F.linear(args.linear.x, args.linear.weight, args.linear.bias)
     y[3, 1] = float("nan")
-    out, _ = passes.normalize_linear_output(y, args)
+    out, _ = normalize.normalize_linear_output(y, args)
     assert torch.isnan(out[:, 1]).all() and torch.isfinite(out[:, [0, 2, 3]]).all()
 
 
-@pytest.mark.parametrize("n, k, f", [(37, 23, 19), (6, 4, 8200), (130, 17, 1030)])
+# Each post-BN scale kind on a masked shape; the wide rows with one kind each
+SCALE_AFTER_CASES = [(37, 23, 19, kind) for kind in ("single", "per_feature", "number")] + [
+    (6, 4, 8200, "per_feature"), (130, 17, 1030, "number")]
+
+
+@pytest.mark.parametrize("n, k, f, scale_after", SCALE_AFTER_CASES)
 @pytest.mark.parametrize("training", [True, False])
-@pytest.mark.parametrize("scale_after", ["single", "per_feature", "number"])
 @pytest.mark.parametrize("softmax", [True, False])
 def test_scale_and_softmax_passes_match_eager_by_float64(n, k, f, training, scale_after, softmax):
     """A post-BN scale (the tail's mul) and the softmax. Rows longer than one block (8200 > 8192 columns)
@@ -109,7 +117,7 @@ def test_tail_nan_and_inf_like_eager(tail):
     args = make_args(6, 3, 9, scale="number", tail=tail, training=False)
     y = F.linear(args.linear.x, args.linear.weight, args.linear.bias)
     y[1, 2], y[3, 4], y[4, 5] = float("nan"), float("inf"), float("-inf")
-    out, _ = passes.normalize_linear_output(y, args)
+    out, _ = normalize.normalize_linear_output(y, args)
     expected = unfused(args, y).out
     assert torch.equal(torch.isnan(out), torch.isnan(expected))
     finite = torch.isfinite(expected)
@@ -123,9 +131,9 @@ def test_tail_nan_and_inf_like_eager(tail):
 def test_statistics_in_the_output_pass_or_in_a_finalize_launch(monkeypatch, merge, softmax, training, running):
     """The output pass computes the statistics itself (one launch fewer): training merges the strips'
     statistics, eval reads the running ones; or it reads what a finalize launch computed. A softmax pass
-    in training always reads them (passes.normalize_training says why). 70 rows make three strips; 300
+    in training always reads them (normalize.normalize_training says why). 70 rows make three strips; 300
     features make several column blocks, the softmax's included."""
-    monkeypatch.setattr(passes, "merges_in_output_pass", lambda *args: merge)
+    monkeypatch.setattr(normalize, "merges_in_output_pass", lambda *args: merge)
     launched = record_launches(monkeypatch)
     args = make_args(70, 9, 300, running=running, training=training, scale="number", scale_after="number",
                      softmax=softmax, momentum=0.2)
@@ -140,10 +148,10 @@ def test_statistics_in_the_output_pass_or_in_a_finalize_launch(monkeypatch, merg
 def test_output_pass_merges_only_few_partials():
     """Small problems merge in the output pass (at most two launches with the GEMM); large ones, whose
     every output program would re-read many partials, keep the finalize launch."""
-    assert passes.merges_in_output_pass(128, 512, 1, 4, softmax=True)
-    assert passes.merges_in_output_pass(1024, 8192, 8, 2, softmax=False)
-    assert not passes.merges_in_output_pass(1024, 8192, 8, 2, softmax=True)
-    assert not passes.merges_in_output_pass(16384, 4096, 128, 4, softmax=False)
+    assert normalize.merges_in_output_pass(128, 512, 1, 4, softmax=True)
+    assert normalize.merges_in_output_pass(1024, 8192, 8, 2, softmax=False)
+    assert not normalize.merges_in_output_pass(1024, 8192, 8, 2, softmax=True)
+    assert not normalize.merges_in_output_pass(16384, 4096, 128, 4, softmax=False)
 
 
 # Triton's interpreter computes with numpy, which warns on the inf - inf this test provokes on purpose.
@@ -156,7 +164,7 @@ def test_softmax_non_finite_like_eager(value):
     y = F.linear(args.linear.x, args.linear.weight, args.linear.bias)
     y[1, 7] = value
     y[3, :] = float("-inf")
-    out, _ = passes.normalize_linear_output(y, args)
+    out, _ = normalize.normalize_linear_output(y, args)
     expected, exact = unfused(args, y).out, unfused(args, y, torch.float64).out
     assert torch.equal(torch.isnan(out), torch.isnan(expected))
     assert torch.isnan(out[3]).all()
@@ -168,10 +176,11 @@ def test_softmax_launch_configuration_is_a_public_choice():
     """tools/tune_softmax.py sweeps launch configurations through output_pass: each gives the same rows."""
     args = make_args(9, 4, 700, scale="number", softmax=True, training=False)
     y = F.linear(args.linear.x, args.linear.weight, args.linear.bias)
-    stats = passes.Statistics.allocate(700, y.device, args.batch_norm)
-    stats.source = passes.STATS_RUNNING.value
-    results = [passes.output_pass(y, args, stats, torch.empty_like(y), passes.SoftmaxLaunch(block_r, block_c, warps))
-               for block_r, block_c, warps in ((1, 256, 4), (2, 1024, None), (4, 2048, 8))]
+    stats = normalize.Statistics.allocate(700, y.device, args.batch_norm)
+    stats.source = normalize.STATS_RUNNING.value
+    launches = [normalize.SoftmaxLaunch(block_r, block_c, warps)
+                for block_r, block_c, warps in ((1, 256, 4), (2, 1024, None), (4, 2048, 8))]
+    results = [normalize.output_pass(y, args, stats, torch.empty_like(y), launch) for launch in launches]
     for out in results[1:]:
         torch.testing.assert_close(out, results[0], rtol=1e-6, atol=1e-7)
     assert_no_further_from_float64("output", results[0], unfused(args, y).out, unfused(args, y, torch.float64).out)

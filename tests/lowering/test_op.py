@@ -8,16 +8,16 @@ import torch
 import torch.nn.functional as F
 
 from fusepass.lowering import op
-from fusepass.lowering.schema import FLAT_NAMES, ChainArgs, ChainOutputs, Kernel, flat_fields, flatten, unflatten
+from fusepass.lowering.schema import FLAT_NAMES, ChainArgs, ChainOutputs, KernelOptions, flat_fields, flatten, unflatten
 from tests.chains import DEVICES, assert_no_further_from_float64
 from tests.lowering.cases import EAGER_TAILS, assert_like_eager, make_args
 
-OP = torch.ops.fusepass.linear_scale_batch_norm.default
+OP = torch.ops.fusepass.batch_norm_chain.default
 
 
 def test_schema_is_chain_args_flattened():
     """The registered schema's arguments are ChainArgs' leaves, by name and in order, for both ops."""
-    for overload in (OP, torch.ops.fusepass.linear_scale_batch_norm_opaque.default):
+    for overload in (OP, torch.ops.fusepass.batch_norm_chain_opaque.default):
         assert tuple(a.name for a in overload._schema.arguments) == FLAT_NAMES
         assert len(overload._schema.returns) == len(ChainOutputs._fields)
     args = make_args(3, 2, 4, scale="number", scale_after="single")
@@ -44,7 +44,7 @@ def test_batch_of_one_in_training_raises_value_error(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_kernel_option_is_rejected(device):
-    args = dataclasses.replace(make_args(4, 5, 4, device=device), kernel=Kernel(gemm="cutlass"))
+    args = dataclasses.replace(make_args(4, 5, 4, device=device), kernel=KernelOptions(gemm="cutlass"))
     with pytest.raises(ValueError, match="gemm must be one of"):
         op.call(args)
 
@@ -172,7 +172,7 @@ def test_scale_gradient_at_zero_scale(device, scale, upstream):
             args.scale_before.tensor[::3] = 0.0
         return args
 
-    case = dict(n=48, k=24, f=40, scale=scale, device=device, kernel=Kernel(fp32_matmul="ieee", gemm="cublas"))
+    case = dict(n=48, k=24, f=40, scale=scale, device=device, kernel=KernelOptions(fp32_matmul="ieee", gemm="cublas"))
     weights = None if upstream == "constant" else torch.randn(48, 40, generator=torch.Generator().manual_seed(1),
                                                               dtype=torch.float64)
     results = {}

@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fusepass.lowering import choice, op, tuning
-from fusepass.lowering.schema import Kernel
+from fusepass.lowering.schema import KernelOptions
 from tests.chains import requires_cuda
 from tests.lowering.cases import make_args
 
@@ -182,7 +182,7 @@ def test_traced_op_is_tuned_on_stand_ins(cache_dir, monkeypatch):
 
     monkeypatch.setattr(op.CHAIN, "_chosen", {})
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    ieee = lambda a: dataclasses.replace(a, kernel=Kernel(fp32_matmul="ieee"))  # noqa: E731
+    ieee = lambda a: dataclasses.replace(a, kernel=KernelOptions(fp32_matmul="ieee"))  # noqa: E731
     with FakeTensorMode():
         args = make_args(256, 128, 96, device="cuda")
         traced = choice.candidates(args, choice.problem(args, True), traced=True)
