@@ -220,15 +220,14 @@ def _gemm_kernel(
     y_ptr, out_ptr, part_mean_ptr, part_m2_ptr, mean_ptr, invstd_ptr,
     # sizes
     M, N, K,
-    # strides
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_om, stride_on,
+    # strides (of the operands; y and out are row-major, N wide)
+    stride_xm, stride_xk, stride_wn, stride_wk,
     # scalars
     scale_value, eps,
     # meta-parameters
     PRECISION: tl.constexpr, EPILOGUE: tl.constexpr, STORE_Y: tl.constexpr, EVAL_STATS: tl.constexpr,
     HAS_BIAS: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
-    TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
+    TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
@@ -295,7 +294,7 @@ def _gemm_kernel(
     # Round to the linear's dtype as eager's linear does; everything after reads the rounded value.
     y = acc.to(y_ptr.dtype.element_ty)
     if STORE_Y:
-        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn, y, mask=mask)
+        tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
     y = y.to(tl.float32)
 
     s = load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
@@ -312,10 +311,8 @@ def _gemm_kernel(
             tl.store(invstd_ptr + cols, invstd, mask=col_mask)
         if EPILOGUE == EPILOGUE_NORMALIZE:
             u = batch_norm_tile(y, s, mean, invstd, gamma_ptr, beta_ptr, cols, col_mask, HAS_GAMMA, HAS_BETA)
-            u = apply_tail(u, cols, col_mask, (tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3),
-                           TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
-            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
-                     u.to(out_ptr.dtype.element_ty), mask=mask)
+            u = apply_tail(u, cols, col_mask, (tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3), TAIL)
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], u.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -417,12 +414,12 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
         y, opt(out), part_mean, part_m2, opt(eval_norm and eval_norm.mean), opt(eval_norm and eval_norm.invstd),
         m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        *(y.stride() if store_y else (0, 0)), *(out.stride() if normalizes else (0, 0)),
         scale_before.value, bn.eps if bn else 0.0,
         PRECISION=(PRECISIONS[precision] if x.dtype == torch.float32 else NATIVE).value,
         EPILOGUE=epilogue, STORE_Y=store_y, EVAL_STATS=eval_norm is not None,
-        HAS_BIAS=bias is not None, SCALE_MODE=scale_before.mode, **pointwise.kernel_meta(tail.program, tail.tensors),
+        HAS_BIAS=bias is not None, SCALE_MODE=scale_before.mode,
         HAS_GAMMA=bn is not None and bn.weight is not None, HAS_BETA=bn is not None and bn.bias is not None,
+        TAIL=pointwise.tail_program(tail.program, tail.tensors),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         USE_TMA=config.tma,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -172,7 +172,7 @@ def output_pass(y: Tensor, args: ChainArgs, stats: Statistics, out: Tensor,
     meta = dict(SCALE_MODE=s1.mode, HAS_GAMMA=bn.weight is not None,
                 HAS_BETA=bn.bias is not None, STATS_SOURCE=stats.source,
                 UPDATE_RUNNING=stats.source == STATS_MERGE.value and bn.updates_running_stats,
-                **pointwise.kernel_meta(args.tail.program, args.tail.tensors))
+                TAIL=pointwise.tail_program(args.tail.program, args.tail.tensors))
     if args.softmax:
         launch(normalize_softmax_kernel)[(triton.cdiv(n_rows, softmax_launch.block_r),)](
             *kernel_args, **meta, BLOCK_R=softmax_launch.block_r, BLOCK_C=softmax_launch.block_c(n_cols),

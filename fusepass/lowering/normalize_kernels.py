@@ -154,9 +154,7 @@ def finalize_stats_kernel(
 @triton.jit
 def _normalized_tile(
     params, tail_tensors, mean, invstd, rows, cols, row_mask, col_mask, stride_yr, stride_yc, scale_value,
-    SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
-    TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
+    SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr, TAIL: tl.constexpr,
 ):
     """tail((y * s1 - mean) * invstd * gamma + beta) for one tile, in fp32. `params` holds the pointers
     (y, s1, gamma, beta), `tail_tensors` the tail's tensor operands."""
@@ -165,8 +163,7 @@ def _normalized_tile(
     s = load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
     y = tl.load(y_ptr + rows[:, None] * stride_yr + cols[None, :] * stride_yc, mask=mask, other=0.0)
     u = batch_norm_tile(y.to(tl.float32), s, mean, invstd, gamma_ptr, beta_ptr, cols, col_mask, HAS_GAMMA, HAS_BETA)
-    return apply_tail(u, cols, col_mask, tail_tensors, TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A,
-                      TAIL_B, TAIL_TENSOR_MODES)
+    return apply_tail(u, cols, col_mask, tail_tensors, TAIL)
 
 
 @triton.jit
@@ -174,9 +171,7 @@ def _output_tile(
     params, tail_tensors, stats, rows, cols, row_mask, col_mask, row_program, n_rows, n_cols, n_parts,
     rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
     SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
-    TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
-    TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
+    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, TAIL: tl.constexpr,
 ):
     """The normalized tile u of some rows and columns, with its columns' statistics. Every output pass
     (and both softmax sweeps) computes u through this one function, so the compiler builds the same
@@ -185,8 +180,7 @@ def _output_tile(
     mean, invstd = _column_statistics(stats, cols, col_mask, row_program, n_rows, n_cols, n_parts, rows_per_part,
                                       momentum, eps, STATS_SOURCE, UPDATE_RUNNING)
     return _normalized_tile(params, tail_tensors, mean, invstd, rows, cols, row_mask, col_mask, stride_yr, stride_yc,
-                            scale_value, SCALE_MODE, HAS_GAMMA, HAS_BETA,
-                            TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
+                            scale_value, SCALE_MODE, HAS_GAMMA, HAS_BETA, TAIL)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_parts"])
@@ -206,9 +200,8 @@ def normalize_kernel(
     scale_value, momentum, eps,
     # meta-parameters
     SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
-    TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
+    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, TAIL: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """out = tail((y * s1 - mean) * invstd * gamma + beta), stored in out's dtype."""
     params = (y_ptr, scale_ptr, gamma_ptr, beta_ptr)
@@ -222,8 +215,7 @@ def normalize_kernel(
     col_mask = cols < n_cols
     u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols, n_parts,
                      rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
-                     SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING,
-                     TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
+                     SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, TAIL)
     tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
              u.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -245,9 +237,8 @@ def normalize_softmax_kernel(
     scale_value, momentum, eps,
     # meta-parameters
     SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr, TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr,
-    TAIL_A: tl.constexpr, TAIL_B: tl.constexpr, TAIL_TENSOR_MODES: tl.constexpr,
+    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, TAIL: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     ACCURATE_EXP: tl.constexpr,
 ):
     """out = softmax(tail(u), dim=-1) for BLOCK_R whole rows of any length: an online max/sum sweep over
@@ -266,8 +257,7 @@ def normalize_softmax_kernel(
         col_mask = cols < n_cols
         u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols,
                          n_parts, rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
-                         SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING,
-                         TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
+                         SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, TAIL)
         u = tl.where(col_mask[None, :], u, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(u, axis=1))
         # While a row has seen only -inf, subtract 0 instead of -inf so that no -inf - -inf NaN appears
@@ -283,8 +273,7 @@ def normalize_softmax_kernel(
         # Row program 1 stores no statistics: the first sweep stored them already.
         u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, 1, n_rows, n_cols,
                          n_parts, rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
-                         SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING,
-                         TAIL_OPS, TAIL_INPUTS, TAIL_OTHERS, TAIL_TENSORS, TAIL_A, TAIL_B, TAIL_TENSOR_MODES)
+                         SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, TAIL)
         u = tl.where(col_mask[None, :], u, float("-inf"))
         p = tl.math.div_rn(exp_accurate(u - shift[:, None], ACCURATE_EXP), row_sum[:, None])
         tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,

@@ -34,7 +34,7 @@ aten = torch.ops.aten
 MAX_TAIL_TENSORS = 4  # tensor operands of one tail (each is a pointer argument of the kernels)
 MAX_TAIL_OPS = 8
 
-# Opcodes (the kernels' TAIL_OPS).
+# Opcodes (the first tuple of the kernels' TAIL).
 NEG, ADD, SUB, RSUB, MUL, DIV, RDIV = (tl.constexpr(i) for i in range(1, 8))
 RELU, LEAKY_RELU, GELU, GELU_TANH, SILU, SIGMOID, TANH = (tl.constexpr(i) for i in range(8, 15))
 HARDTANH, CLAMP, CLAMP_MIN, CLAMP_MAX, ELU, SOFTPLUS, HARDSWISH, MISH = (tl.constexpr(i) for i in range(15, 23))
@@ -134,22 +134,20 @@ def _pointwise(x, other, OP: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def apply_tail(u, cols, col_mask, tensors, TAIL_OPS: tl.constexpr, TAIL_INPUTS: tl.constexpr,
-               TAIL_OTHERS: tl.constexpr, TAIL_TENSORS: tl.constexpr, TAIL_A: tl.constexpr, TAIL_B: tl.constexpr,
-               TAIL_TENSOR_MODES: tl.constexpr):
+def apply_tail(u, cols, col_mask, tensors, TAIL: tl.constexpr):
     """The tail program on an fp32 tile u (the batch norm's output). `tensors` holds the tail's tensor
-    pointers; the TAIL_* tuples are the program (kernel_meta)."""
+    pointers; TAIL is the program (tail_program)."""
+    ops, inputs, others, tensor_index, param_a, param_b, tensor_modes = TAIL
     values = (u,)
-    for i in tl.static_range(len(TAIL_OPS)):
-        x = values[TAIL_INPUTS[i]]
-        if TAIL_OTHERS[i] >= 0:
-            other = values[TAIL_OTHERS[i]]
-        elif TAIL_TENSORS[i] >= 0:
-            other = load_scale(tensors[TAIL_TENSORS[i]], 0.0, cols, col_mask,
-                               TAIL_TENSOR_MODES[TAIL_TENSORS[i]])[None, :]
+    for i in tl.static_range(len(ops)):
+        x = values[inputs[i]]
+        if others[i] >= 0:
+            other = values[others[i]]
+        elif tensor_index[i] >= 0:
+            other = load_scale(tensors[tensor_index[i]], 0.0, cols, col_mask, tensor_modes[tensor_index[i]])[None, :]
         else:
-            other = tl.full(u.shape, TAIL_A[i], tl.float32)  # a number operand, rounded to fp32 as eager does
-        values = values + (_pointwise(x, other, TAIL_OPS[i], TAIL_A[i], TAIL_B[i]),)
+            other = tl.full(u.shape, param_a[i], tl.float32)  # a number operand, rounded to fp32 as eager does
+        values = values + (_pointwise(x, other, ops[i], param_a[i], param_b[i]),)
     return values[len(values) - 1]
 
 
@@ -287,24 +285,27 @@ def tensor_count(program: str) -> int:
                    default=-1)
 
 
-def kernel_meta(program: str, tensors: tuple[Optional[Tensor], ...]) -> dict:
-    """The program as the kernels' TAIL_* meta-parameters (constexpr tuples)."""
+def tail_program(program: str, tensors: tuple[Optional[Tensor], ...]) -> tuple[tuple, ...]:
+    """The program as the kernels' TAIL meta-parameter: one constexpr of plain tuples (Inductor writes
+    a traced kernel's constexprs into its generated code, so they must be literals), one entry per
+    instruction in each: (opcodes, input value, value operand, tensor operand, parameter a,
+    parameter b), then each tensor operand's scale mode."""
     instructions = parse(program)
 
     def operand_index(ins: Instruction, kind: str) -> int:
         index = getattr(ins.other, kind) if ins.other is not None else None
         return -1 if index is None else index
 
-    return dict(
-        TAIL_OPS=tuple(ins.op.code for ins in instructions),
-        TAIL_INPUTS=tuple(ins.input for ins in instructions),
-        TAIL_OTHERS=tuple(operand_index(ins, "value") for ins in instructions),
-        TAIL_TENSORS=tuple(operand_index(ins, "tensor") for ins in instructions),
-        # A number operand travels in A: binary ops have no parameters.
-        TAIL_A=tuple(float(ins.other.number) if ins.other is not None and ins.other.number is not None
-                     else ins.param(0) for ins in instructions),
-        TAIL_B=tuple(ins.param(1) for ins in instructions),
-        TAIL_TENSOR_MODES=tuple(_tensor_mode(t) for t in tensors),
+    return (
+        tuple(ins.op.code for ins in instructions),
+        tuple(ins.input for ins in instructions),
+        tuple(operand_index(ins, "value") for ins in instructions),
+        tuple(operand_index(ins, "tensor") for ins in instructions),
+        # A number operand travels in parameter a: binary ops have no parameters.
+        tuple(float(ins.other.number) if ins.other is not None and ins.other.number is not None
+              else ins.param(0) for ins in instructions),
+        tuple(ins.param(1) for ins in instructions),
+        tuple(_tensor_mode(t) for t in tensors),
     )
 
 
