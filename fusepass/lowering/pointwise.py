@@ -137,7 +137,14 @@ def _pointwise(x, other, OP: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
 def apply_tail(u, cols, col_mask, tensors, TAIL: tl.constexpr):
     """The tail program on an fp32 tile u (the batch norm's output). `tensors` holds the tail's tensor
     pointers; TAIL is the program (tail_program)."""
-    ops, inputs, others, tensor_index, param_a, param_b, tensor_modes = TAIL
+    # Indexed into constexprs, not unpacked: triton 3.6 cannot unpack a constexpr tuple.
+    ops: tl.constexpr = TAIL[0]
+    inputs: tl.constexpr = TAIL[1]
+    others: tl.constexpr = TAIL[2]
+    tensor_index: tl.constexpr = TAIL[3]
+    param_a: tl.constexpr = TAIL[4]
+    param_b: tl.constexpr = TAIL[5]
+    tensor_modes: tl.constexpr = TAIL[6]
     values = (u,)
     for i in tl.static_range(len(ops)):
         x = values[inputs[i]]

@@ -1,0 +1,94 @@
+"""Every kernel compiles for a Hopper GPU (sm_90, down to a cubin) on a machine without one.
+
+The CPU tests run the kernels in Triton's interpreter, which accepts code its compiler rejects (a tuple
+indexed by a value not declared constexpr). Compiling here catches that class of error in CI, with the
+installed triton only: run this file with triton 3.6 on the path to check the GPU machine's version too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fusepass.lowering import gemm, normalize_kernels, pointwise
+from fusepass.lowering.normalize_kernels import STATS_MERGE, STATS_READ, STATS_RUNNING
+from fusepass.lowering.tiles import SCALE_NUMBER, SCALE_PER_FEATURE, SCALE_SINGLE
+
+HOPPER = GPUTarget("cuda", 90, 32)
+FLOAT_SCALARS = {"scale_value", "eps", "momentum"}
+
+# A tail that uses every part of the program: a value operand, a per-feature and a one-element tensor
+# operand, a number operand, and ops with one and two parameters.
+TAIL = pointwise.tail_program("mul(v0,t0);sub(v1,t1);add(v2,3.0);leaky_relu(v3|0.2);softplus(v4|2.0,3.0);"
+                              "mul(v5,v1)", (torch.ones(8), torch.ones(()), None, None))
+NO_TAIL = pointwise.tail_program("", (None, None, None, None))
+
+
+def _compile(kernel, constexprs: dict, pointer_type: str = "*fp32") -> None:
+    signature = {}
+    for param in kernel.params:
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr") or name.startswith("tail_tensor_"):
+            signature[name] = pointer_type
+        else:
+            signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER)
+    assert compiled.asm["cubin"]
+
+
+NORMALIZE_META = dict(SCALE_MODE=SCALE_PER_FEATURE.value, HAS_GAMMA=True, HAS_BETA=True, BLOCK_R=32, BLOCK_C=64)
+
+
+def _gemm_meta(precision: str, epilogue, tail) -> dict:
+    return dict(PRECISION=gemm.PRECISIONS[precision].value, EPILOGUE=epilogue.value, STORE_Y=True,
+                EVAL_STATS=epilogue == gemm.EPILOGUE_NORMALIZE, HAS_BIAS=True, SCALE_MODE=SCALE_NUMBER.value,
+                HAS_GAMMA=True, HAS_BETA=False, TAIL=tail, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8,
+                USE_TMA=False)
+
+
+def cases() -> dict:
+    """name -> (kernel, constexprs, pointer type). Compiled in a process of its own: with
+    TRITON_INTERPRET=1 the kernels are interpreted functions, which the compiler cannot take."""
+    found = {}
+    for source in (STATS_READ, STATS_MERGE, STATS_RUNNING):
+        for tail_name, tail in (("tail", TAIL), ("no_tail", NO_TAIL)):
+            found[f"normalize_kernel[{source.value}-{tail_name}]"] = (normalize_kernels.normalize_kernel, dict(
+                NORMALIZE_META, STATS_SOURCE=source.value, UPDATE_RUNNING=source == STATS_MERGE, TAIL=tail), "*fp32")
+        found[f"normalize_softmax_kernel[{source.value}]"] = (normalize_kernels.normalize_softmax_kernel, dict(
+            NORMALIZE_META, STATS_SOURCE=source.value, UPDATE_RUNNING=True, TAIL=TAIL, ACCURATE_EXP=True), "*fp32")
+    found["partial_stats_kernel"] = (normalize_kernels.partial_stats_kernel,
+                                     dict(SCALE_MODE=SCALE_SINGLE.value, BLOCK_R=32, BLOCK_C=64), "*fp32")
+    found["finalize_stats_kernel"] = (normalize_kernels.finalize_stats_kernel,
+                                      dict(STATS_SOURCE=STATS_MERGE.value, UPDATE_RUNNING=True, BLOCK_C=64), "*fp32")
+    found["tf32_split_kernel"] = (gemm._tf32_split_kernel, dict(BLOCK_ROWS=64, BLOCK_COLS=64), "*fp32")
+    for precision, epilogue, tail, pointer_type in (("tf32x3", gemm.EPILOGUE_STATISTICS, NO_TAIL, "*fp32"),
+                                                    ("split_x", gemm.EPILOGUE_LINEAR, NO_TAIL, "*fp32"),
+                                                    ("split_w", gemm.EPILOGUE_NORMALIZE, TAIL, "*fp32"),
+                                                    ("native", gemm.EPILOGUE_NORMALIZE, TAIL, "*bf16")):
+        found[f"gemm_kernel[{precision}]"] = (gemm._gemm_kernel, _gemm_meta(precision, epilogue, tail), pointer_type)
+    return found
+
+
+
+def test_every_kernel_compiles_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[2])
+    compiled = [line for line in done.stdout.splitlines() if line.startswith("compiled ")]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert len(compiled) == len(cases()), done.stdout
+
+
+if __name__ == "__main__":
+    for name, (kernel, constexprs, pointer_type) in cases().items():
+        _compile(kernel, constexprs, pointer_type)
+        print("compiled", name, flush=True)
