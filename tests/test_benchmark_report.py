@@ -199,7 +199,26 @@ def test_run_commands_match_the_bench_cli():
         problems, cfg, _ = bench.parse_args(argv[3:])
         assert all((ROOT / p).is_file() for p in problems)
         assert cfg.providers[0] == "eager" and {"eager", "inductor", "fusepass"} <= set(cfg.providers)
-    assert {s.section for s in report.SPECS} == {s for call in report.DEVICE_CALLS for s in call}
+    called = {name for call in report.DEVICE_CALLS for name in call}
+    assert all(s.section in called or s.name in called for s in report.SPECS)
+    assert called <= set(report.SECTIONS) | {s.name for s in report.SPECS}
+
+
+def test_shape_changes_section_has_every_step_and_the_totals(tmp_path):
+    steps = {"inductor": [4.5, 0.0, 2.66], "fusepass": [5.5, 0.01, 0.3]}
+    run = {"problem": "gemm_scale_batchnorm", "mode": "train", "precision": "fp32", "sequence": [1024, 1024, 777],
+           "results": [{"provider": name, "caches": "cold", "steps": times, "steady": {},
+                        "compile_and_tune": times[0] + times[2]} for name, times in steps.items()]}
+    shapes = {"environment": {"device": "NVIDIA H100", "torch": "9.9.0", "triton": "8.8.0",
+                              "date": "2030-01-01T00:00:00+00:00",
+                              "command": "fusepass-bench p.py --size 1024,4096,4096 --batch-sequence 1024,1024,777"},
+              "shape_changes": [run]}
+    text = write_report(tmp_path, {"forward-fp32": payload(four_providers()), "shape-changes-train-fp32": shapes})
+    shown = section_text(text, "Shape changes")
+    assert "gemm_scale_batchnorm at 1024,4096,4096, train, fp32" in shown
+    assert table_line(text, "Shape changes", "777")[2:4] == ["2.66", "0.30"]
+    assert table_line(text, "Shape changes", "| total")[2:4] == ["7.16", "5.81"]
+    assert "shape-changes-train-fp32" not in section_text(text, "Sources")  # not a timing source
 
 
 def test_a_wide_spread_is_shown_beside_the_median(tmp_path):

@@ -77,8 +77,13 @@ class Spec:
     providers: tuple[str, ...] = PROVIDERS
     timing: tuple[str, ...] = TIMING
     warm: bool = False  # run twice over the same caches; keep the second run
+    batch_sequence: Optional[str] = None  # the shape-changes mode: B,B,... (cold and warm caches, by the bench)
 
     def argv(self, json_path: Path) -> list[str]:
+        if self.batch_sequence:
+            return [sys.executable, "-m", "fusepass.bench", *self.problems, "--batch-sequence", self.batch_sequence,
+                    "--mode", *self.modes, "--precision", *self.precisions, "--providers", *self.providers,
+                    "--caches", "cold", "warm", "--size", self.size, "--json", str(json_path)]
         args = [sys.executable, "-m", "fusepass.bench", *self.problems, "--mode", *self.modes,
                 "--precision", *self.precisions, "--providers", *self.providers, *self.timing,
                 "--json", str(json_path)]
@@ -121,6 +126,11 @@ SPECS: list[Spec] = [
     # cold priming run (~190 s) + warm run (~40 s)
     Spec("compile-warm", "compile-warm", (SCALE_BN, SOFTMAX), ("train",), ("fp32", "bf16-autocast"), 230,
          timing=COMPILE_ONLY_TIMING, warm=True),
+    # Issue 24's loops: a training loop whose last batches are short, and a server's requests (H100: 264 s, 235 s).
+    Spec("shape-changes-train-fp32", "shape-changes", (SCALE_BN,), ("train",), ("fp32",), 270, size="1024,4096,4096",
+         providers=("inductor", "fusepass"), batch_sequence="1024,1024,1024,777,1024,1024,777,1024,512"),
+    Spec("shape-changes-eval-fp32", "shape-changes", (SCALE_BN,), ("eval",), ("fp32",), 240, size="1024,4096,4096",
+         providers=("inductor", "fusepass"), batch_sequence="1,8,33,64,100,256,8,1000,64"),
 ]
 SECTIONS = list(dict.fromkeys(spec.section for spec in SPECS))
 # Sections grouped into device calls of under 9 minutes each: the estimates add up to at most 7.2
@@ -135,6 +145,8 @@ DEVICE_CALLS = [
     ("small-shapes",),
     ("compile-warm",),
     ("tails-heads",),
+    ("shape-changes-train-fp32",),
+    ("shape-changes-eval-fp32",),
 ]
 
 COLD_NOTE = ("empty Inductor (FX-graph, autotuning), Triton and fusepass tuning caches of its own: "
@@ -301,6 +313,15 @@ def rows_of(source: Source) -> list[Row]:
 
 
 def load_sources(json_dir: Path) -> list[Source]:
+    """fusepass-bench's timing JSON (the shape-changes mode's is load_shape_changes')."""
+    return [source for source in _load(json_dir) if SHAPE_CHANGES_KEY not in source.payload]
+
+
+def load_shape_changes(json_dir: Path) -> list[Source]:
+    return [source for source in _load(json_dir) if SHAPE_CHANGES_KEY in source.payload]
+
+
+def _load(json_dir: Path) -> list[Source]:
     return [Source(path, json.loads(path.read_text())) for path in sorted(json_dir.glob("*.json"))]
 
 
@@ -541,7 +562,7 @@ def memory_table(rows: list[Row]) -> Optional[str]:
 def regenerate_block() -> str:
     calls = []
     for sections in DEVICE_CALLS:
-        minutes = sum(s.estimate_s for s in SPECS if s.section in sections) / 60
+        minutes = sum(s.estimate_s for s in SPECS if s.section in sections or s.name in sections) / 60
         calls.append(f"{THIS} run --only {' '.join(sections):<38} # ~{minutes:.0f} min")
     total = sum(s.estimate_s for s in SPECS) / 60
     return "\n".join([
@@ -667,7 +688,33 @@ def multi_gpu_sources(runs: list[tuple[Path, dict]]) -> str:
     return markdown(rows, ["file", "GPU", "GPUs", "torch", "triton", "date", "commit"])
 
 
-def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]]) -> str:
+SHAPE_CHANGES_KEY = "shape_changes"
+SHAPE_CHANGES_INTRO = (
+    "`fusepass-bench --batch-sequence`: one loop over a sequence of batch sizes (a training step with an SGD step, "
+    "or an eval forward under `no_grad`), each step's wall seconds with compilation and tuning included, each "
+    "provider in a process of its own. Cold: empty Inductor, Triton and fusepass caches; warm: a second process "
+    "over the caches a first one filled. \"compile+tune\" sums each step's time beyond its size's steady step "
+    "time (the median of five more steps).")
+
+
+def shape_changes_tables(sources: list[Source]) -> Optional[str]:
+    parts = []
+    for source in sources:
+        for run in source.payload[SHAPE_CHANGES_KEY]:
+            results, sequence = run["results"], run["sequence"]
+            columns = [f"{r['provider']} ({r['caches']}) s" for r in results]
+            rows = [[str(i + 1), str(batch), *(f"{r['steps'][i]:.2f}" for r in results)]
+                    for i, batch in enumerate(sequence)]
+            rows.append(["", "total", *(f"{sum(r['steps']):.2f}" for r in results)])
+            rows.append(["", "compile+tune", *(f"{r['compile_and_tune']:.2f}" for r in results)])
+            parts += [f"{run['problem']} at {source.env['command'].split('--size ')[1].split()[0]}, {run['mode']}, "
+                      f"{run['precision']} ({source.env['device']}, {source.env['date'][:10]}, "
+                      f"`{shown_path(source.path)}`):", "", markdown(rows, ["step", "batch", *columns]), ""]
+    return "\n".join(parts).rstrip() or None
+
+
+def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
+           shape_changes: Optional[list[Source]] = None) -> str:
     rows = newest_rows(sources)
     sources = shown_sources(sources, rows)
     parts = ["# Benchmarks", "", "fusepass's current performance, generated by `tools/benchmark_report.py` from the "
@@ -693,6 +740,7 @@ def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]])
     parts += section("Peak memory", "`torch.cuda.max_memory_allocated` over one call. It includes every tensor "
                      "the bench process holds — each provider's copy of the model and a float64 copy — so only "
                      "the differences between providers are the providers' own.", memory_table(rows))
+    parts += section("Shape changes", SHAPE_CHANGES_INTRO, shape_changes_tables(shape_changes or []))
     parts += section("Several GPUs", MULTI_GPU_INTRO, multi_gpu_table(multi_gpu))
     parts += ["## Sources", "", sources_table(sources), ""]
     if multi_gpu:
@@ -719,7 +767,7 @@ def kept_section(report: Path) -> str:
 
 
 def write(json_dir: Path, output: Path) -> None:
-    text = render(load_sources(json_dir), kept_section(output), load_multi_gpu(json_dir))
+    text = render(load_sources(json_dir), kept_section(output), load_multi_gpu(json_dir), load_shape_changes(json_dir))
     output.write_text(text)
     print(f"wrote {shown_path(output)}")
 
