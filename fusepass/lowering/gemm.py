@@ -341,8 +341,9 @@ def split_tf32(t: Tensor) -> tuple[Tensor, Tensor]:
 class GemmOutputs:
     y: Tensor                  # the linear output (empty when not stored)
     out: Optional[Tensor]      # EPILOGUE_NORMALIZE: the op's output
-    part_mean: Optional[Tensor]  # EPILOGUE_STATISTICS: (row tiles, F)
+    part_mean: Optional[Tensor]  # EPILOGUE_STATISTICS: row tiles x F, flat (normalize.Partials says why)
     part_m2: Optional[Tensor]
+    n_parts: int
     rows_per_part: int
 
 
@@ -383,9 +384,10 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
     y = torch.empty((m, n) if store_y else (0, 0), device=device, dtype=x.dtype)
     normalizes = epilogue == EPILOGUE_NORMALIZE.value
     out = torch.empty((m, n), device=device, dtype=eval_norm.out_dtype) if normalizes else None
-    n_parts = triton.cdiv(m, config.block_m) if epilogue == EPILOGUE_STATISTICS.value else 0
-    part_mean = torch.empty((n_parts, n), device=device, dtype=torch.float32)
-    part_m2 = torch.empty((n_parts, n), device=device, dtype=torch.float32)
+    statistics = epilogue == EPILOGUE_STATISTICS.value
+    n_parts = triton.cdiv(m, config.block_m) if statistics else 0
+    part_mean = torch.empty(n_parts * n, device=device, dtype=torch.float32)
+    part_m2 = torch.empty(n_parts * n, device=device, dtype=torch.float32)
     placeholder = unused_pointer(device)
 
     def opt(t: Optional[Tensor]) -> Tensor:
@@ -424,7 +426,8 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
         USE_TMA=config.tma,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return GemmOutputs(y, out, part_mean if n_parts else None, part_m2 if n_parts else None, config.block_m)
+    return GemmOutputs(y, out, part_mean if statistics else None, part_m2 if statistics else None, n_parts,
+                       config.block_m)
 
 
 def _descriptor(t: Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> TensorDescriptor:

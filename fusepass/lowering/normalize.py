@@ -57,10 +57,19 @@ SOFTMAX_LAUNCH = SoftmaxLaunch()
 
 
 class Partials(NamedTuple):
-    """Per strip of rows and per feature, the mean and M2 of z = y * s (strips of rows_per_part rows)."""
+    """Per strip of rows and per feature, the mean and M2 of z = y * s (strips of rows_per_part rows), in
+    flat buffers of n_parts x F, row-major. Flat, because n_parts follows the batch: a (n_parts, F) tensor's
+    contiguity check guards on n_parts == 1 (torch 2.11), and the graph recompiled when a batch first
+    spanned two strips."""
     mean: Tensor
     m2: Tensor
+    n_parts: int
     rows_per_part: int
+
+    @staticmethod
+    def allocate(n_parts: int, rows_per_part: int, n_cols: int, device) -> "Partials":
+        return Partials(torch.empty(n_parts * n_cols, device=device, dtype=torch.float32),
+                        torch.empty(n_parts * n_cols, device=device, dtype=torch.float32), n_parts, rows_per_part)
 
 
 @dataclass
@@ -84,7 +93,7 @@ class Statistics:
     def pointers(self) -> tuple[Tensor, ...]:
         """The kernels' statistics pointers, in their order; absent tensors get a placeholder."""
         placeholder = unused_pointer(self.mean.device)
-        parts = self.parts or Partials(placeholder, placeholder, 1)
+        parts = self.parts or Partials(placeholder, placeholder, 0, 1)
         bn = self.batch_norm
         return (parts.mean, parts.m2, present_or_placeholder(bn.running_mean, placeholder),
                 present_or_placeholder(bn.running_var, placeholder), self.mean, self.invstd, self.new_mean,
@@ -92,7 +101,7 @@ class Statistics:
 
     def sizes(self) -> tuple[int, int]:
         """(n_parts, rows_per_part)."""
-        return (self.parts.mean.shape[0], self.parts.rows_per_part) if self.parts else (0, 1)
+        return (self.parts.n_parts, self.parts.rows_per_part) if self.parts else (0, 1)
 
     def scalars(self) -> tuple[float, float]:
         return self.batch_norm.momentum, self.batch_norm.eps
@@ -113,16 +122,15 @@ def partial_statistics(y: Tensor, scale: Scale) -> Partials:
     n_rows, n_cols = y.shape
     rows_per_part = STATS_BLOCK_R * max(1, triton.cdiv(hint(n_rows), STATS_BLOCK_R * TARGET_ROW_STRIPS))
     n_parts = triton.cdiv(n_rows, rows_per_part)
-    part_mean = torch.empty((n_parts, n_cols), device=y.device, dtype=torch.float32)
-    part_m2 = torch.empty_like(part_mean)
+    parts = Partials.allocate(n_parts, rows_per_part, n_cols, y.device)
     launch(partial_stats_kernel)[(n_parts, triton.cdiv(n_cols, STATS_BLOCK_C))](
-        y, present_or_placeholder(scale.tensor, part_mean), part_mean, part_m2,
+        y, present_or_placeholder(scale.tensor, parts.mean), parts.mean, parts.m2,
         n_rows, n_cols, rows_per_part,
         y.stride(0), y.stride(1),
         scale.value,
         SCALE_MODE=scale.mode, BLOCK_R=STATS_BLOCK_R, BLOCK_C=STATS_BLOCK_C,
     )
-    return Partials(part_mean, part_m2, rows_per_part)
+    return parts
 
 
 def finalize_statistics(stats: Statistics, parts: Optional[Partials], n_rows: int) -> None:
@@ -195,7 +203,7 @@ def normalize_training(y: Tensor, parts: Partials, stats: Statistics, args: Chai
     n_rows, n_cols = y.shape
     if args.batch_norm.synced:
         synced_statistics(stats, parts, n_rows)
-    elif not args.softmax and merges_in_output_pass(n_rows, n_cols, parts.mean.shape[0], y.element_size(), False):
+    elif not args.softmax and merges_in_output_pass(n_rows, n_cols, parts.n_parts, y.element_size(), False):
         stats.parts, stats.source = parts, STATS_MERGE.value
     else:
         finalize_statistics(stats, parts, n_rows)
@@ -207,8 +215,10 @@ def synced_statistics(stats: Statistics, parts: Partials, n_rows: int) -> None:
     rank's (count, mean, M2), one all-gather merges the ranks' (sync.py); (F,)-sized torch ops, which
     Inductor fuses where the op's body is traced."""
     bn = stats.batch_norm
-    count, mean, var = sync.merge_across_ranks(*sync.merge_strips(parts.mean, parts.m2, parts.rows_per_part, n_rows),
-                                               bn.group_name)
+    n_cols = stats.mean.shape[0]
+    strips = sync.merge_strips(parts.mean.view(parts.n_parts, n_cols), parts.m2.view(parts.n_parts, n_cols),
+                               parts.rows_per_part, n_rows)
+    count, mean, var = sync.merge_across_ranks(*strips, bn.group_name)
     stats.mean.copy_(mean)
     stats.invstd.copy_(1.0 / torch.sqrt(var + bn.eps))
     if bn.updates_running_stats:
