@@ -1,5 +1,6 @@
 """fusepass.explain() and the debug dump of rewritten graphs."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,31 @@ def test_explain_counts_two_chains_and_lists_misses_with_reasons():
     [miss] = report.misses
     assert "other users" in miss["reason"]
     assert "Misses:" in str(report) and "other users" in str(report)
+
+
+class GroupedSoftmaxHead(torch.nn.Module):
+    """BYOL's simplicial embedding: Linear -> BatchNorm1d, then a softmax over groups of features."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = torch.nn.Linear(16, 24), torch.nn.BatchNorm1d(24)
+
+    def forward(self, x):
+        return torch.softmax(self.bn(self.fc(x)).reshape(x.shape[0], 4, 6), dim=-1)
+
+
+def test_a_reshape_ends_the_chain_before_the_softmax_and_is_reported():
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    report = fusepass.explain(GroupedSoftmaxHead(), x)
+    assert [m["pattern"] for m in report.matches] == ["linear_batch_norm"]
+    [miss] = report.misses
+    assert miss["node"] == "reshape" and "not a pointwise op" in miss["reason"]
+
+    model = GroupedSoftmaxHead()
+    compiled = torch.compile(copy.deepcopy(model), backend="fusepass")
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+    assert_fused(rewrites=1, graphs=1)
 
 
 def test_explain_shows_autocast_dtypes():
