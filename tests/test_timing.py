@@ -30,7 +30,7 @@ class Clock:
         self.times = {timing.FUSED: fused_ms, timing.UNFUSED: unfused_ms}
         self.runs: list[tuple[str, list]] = []
 
-    def __call__(self, candidates: dict, clock=None) -> dict:
+    def __call__(self, candidates: dict, clock=None, parallel_on=None) -> dict:
         for name, run in candidates.items():
             self.runs.append((name, list(run())))
         return {name: self.times[name] for name in candidates}

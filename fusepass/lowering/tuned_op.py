@@ -20,6 +20,7 @@ import contextlib
 import functools
 import inspect
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
@@ -121,10 +122,10 @@ class TunedOp:
         candidates = d.candidates(call, problem, traced)
         chosen = None
         if candidates:
-            timed_call = functools.cache(lambda: d.stand_ins(call)) if traced else (lambda: call)
+            timed_call = _once(lambda: d.stand_ins(call)) if traced else (lambda: call)
             runners = {name: functools.partial(_run, impl, timed_call) for name, impl in candidates.items()}
             with real_tensors() if traced else contextlib.nullcontext():
-                chosen = candidates[TUNER.choose(problem, d.device(call), runners)]
+                chosen = candidates[TUNER.choose(problem, d.device(call), runners, parallel_first_runs=True)]
         if not capturing(d.device(call)):  # a choice made in a capture could not be timed
             self._chosen[key] = chosen
         return chosen
@@ -141,6 +142,19 @@ class TunedOp:
     def forget(self) -> None:
         """Drops this process's table of choices (tests; the tuner keeps its own)."""
         self._chosen.clear()
+
+
+def _once(make: Callable[[], Any]) -> Callable[[], Any]:
+    """`make()`, made on the first call only, also when the first calls come from several threads (the
+    tuner's first runs): one set of stand-ins, not one per candidate."""
+    lock, made = threading.Lock(), []
+
+    def get() -> Any:
+        with lock:
+            if not made:
+                made.append(make())
+        return made[0]
+    return get
 
 
 def _run(impl: Implementation, timed_call: Callable[[], Any]) -> Any:

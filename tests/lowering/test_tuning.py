@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import threading
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ def cache_dir(tmp_path, monkeypatch):
 def fake_timing(monkeypatch, times):
     calls = []
 
-    def time_candidates(candidates, clock):
+    def time_candidates(candidates, clock, parallel_on):
         calls.append(list(candidates))
         return {name: times[name] for name in candidates if name in times}
 
@@ -54,6 +55,43 @@ def test_a_clock_given_times_each_candidate_after_one_untimed_run(cache_dir):
         return clock_ms[runs[-1]]
     assert tuning.Tuner().choose(problem("with a clock"), CPU, candidates, clock=clock) == "b"
     assert runs == ["a", "a", "b", "b", "c", "c"]
+
+
+def test_parallel_first_runs_are_concurrent_and_precede_the_timing(cache_dir):
+    """Every candidate's first run (its compile) happens on a thread of its own before any is timed: the
+    three runs below meet at a barrier, which serial runs would never pass."""
+    barrier = threading.Barrier(3, timeout=30)
+    runs = []
+
+    def candidate(name):
+        def run():
+            if name not in runs:
+                barrier.wait()
+            runs.append(name)
+        return run
+
+    def clock(run):
+        run()
+        return {"a": 2.0, "b": 0.5, "c": 1.0}[runs[-1]]
+    chosen = tuning.Tuner().choose(problem("in parallel"), CPU, {n: candidate(n) for n in "abc"}, clock=clock,
+                                   parallel_first_runs=True)
+    assert chosen == "b"
+    assert sorted(runs[:3]) == ["a", "b", "c"] and runs[3:] == ["a", "b", "c"]
+
+
+def test_a_candidate_failing_its_parallel_first_run_is_not_timed(cache_dir):
+    timed = []
+
+    def broken():
+        raise RuntimeError("out of shared memory")
+
+    def clock(run):
+        timed.append(run)
+        return 1.0
+    candidates = {"broken": broken, "fine": lambda: None}
+    chosen = tuning.Tuner().choose(problem("one broken"), CPU, candidates, clock=clock, parallel_first_runs=True)
+    assert chosen == "fine"
+    assert timed == [candidates["fine"]]
 
 
 def test_fastest_candidate_is_chosen_and_written_to_disk(cache_dir, monkeypatch):
