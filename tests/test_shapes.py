@@ -85,7 +85,11 @@ def jit_variants(*kernels) -> int:
 
 @pytest.fixture
 def tuned(monkeypatch, tmp_path):
-    """Tuning on, as a user's run has it, with a cache directory of the test's own."""
+    """Tuning on, as a user's run has it, with a cache directory of the test's own. Inductor's graph caches
+    off: a graph an earlier run left there is loaded without tracing the op, so nothing would be tuned
+    (the counts below then failed on a second run of the test on one machine)."""
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     monkeypatch.setenv(tuning.TUNE_ENV, "1")
     monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(tmp_path))
     return tmp_path
