@@ -198,6 +198,21 @@ def test_real_tuning_of_the_op_on_gpu(cache_dir):
 
 @requires_cuda
 @pytest.mark.cuda
+def test_tuning_leaves_no_memory_behind(cache_dir):
+    """Tuning runs cuBLAS on threads and in graph captures, each with a workspace of its own: none of them
+    stays allocated once the choice is made."""
+    args = make_args(256, 128, 96, device="cuda")
+    key = choice.problem(args, traced=False)
+    candidates = {name: (lambda run=run: run(args)) for name, run in choice.candidates(args, key).items()}
+    candidates["cublas"]()  # this thread's and stream's own workspace, which a model's step makes too
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    tuning.Tuner().choose(key, torch.device("cuda"), candidates, parallel_first_runs=True)
+    assert torch.cuda.memory_allocated() <= before
+
+
+@requires_cuda
+@pytest.mark.cuda
 def test_candidates_are_timed_from_a_cuda_graph(monkeypatch):
     """GPU time alone: a candidate that allocates and launches is captured and replayed, without the
     Python-timed fallback."""
