@@ -358,3 +358,21 @@ def test_tune_only_warms_each_batch_size(capsys):
 def test_tune_only_needs_batch_sizes(capsys):
     assert bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), "--device", "cpu", "--tune-only"]) == 2
     assert "--tune-only needs --batch-sizes" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_peak_memory_drops_every_models_gradients_first():
+    """An earlier provider's gradients do not count against the provider measured: its 4 MB gradient is
+    dropped before the call."""
+    earlier, measured = (torch.nn.Linear(1024, 1024, device="cuda") for _ in range(2))
+    x = torch.randn(64, 1024, device="cuda")
+
+    def step():
+        measured(x).sum().backward()
+    earlier(x).sum().backward()
+    kept = measure.peak_memory_mb(step, "cuda", list(measured.parameters()))
+    earlier(x).sum().backward()
+    dropped = measure.peak_memory_mb(step, "cuda", [*earlier.parameters(), *measured.parameters()])
+    assert earlier.weight.grad is None
+    assert kept - dropped >= 4.0

@@ -737,9 +737,10 @@ def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
     parts += section("Compile time", "The first call of each provider, compilation included (the bench's "
                      "`compile_s`), from the forward runs; \"vs X\" is X's seconds over fusepass's. Caches:\n\n"
                      + "\n".join(caches_notes(sources)), compile_table(rows))
-    parts += section("Peak memory", "`torch.cuda.max_memory_allocated` over one call. It includes every tensor "
-                     "the bench process holds — each provider's copy of the model and a float64 copy — so only "
-                     "the differences between providers are the providers' own.", memory_table(rows))
+    parts += section("Peak memory", "`torch.cuda.max_memory_allocated` over one call, every model's gradients "
+                     "dropped before it. It includes every tensor the bench process holds — each provider's copy "
+                     "of the model and a float64 copy — so only the differences between providers are the "
+                     "providers' own.", memory_table(rows))
     parts += section("Shape changes", SHAPE_CHANGES_INTRO, shape_changes_tables(shape_changes or []))
     parts += section("Several GPUs", MULTI_GPU_INTRO, multi_gpu_table(multi_gpu))
     parts += ["## Sources", "", sources_table(sources), ""]
