@@ -218,10 +218,10 @@ def _gemm_kernel(
     tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3,
     # pointers: outputs
     y_ptr, out_ptr, part_mean_ptr, part_m2_ptr, mean_ptr, invstd_ptr,
-    # sizes
-    M, N, K,
-    # strides (of the operands; y and out are row-major, N wide)
-    stride_xm, stride_xk, stride_wn, stride_wk,
+    # sizes; this launch's N columns are y's columns y_col0 on (a block of W's rows, run_linear)
+    M, N, K, y_col0,
+    # strides (of the operands, and y's rows; out is row-major, N wide)
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym,
     # scalars
     scale_value, eps,
     # meta-parameters
@@ -294,7 +294,7 @@ def _gemm_kernel(
     # Round to the linear's dtype as eager's linear does; everything after reads the rounded value.
     y = acc.to(y_ptr.dtype.element_ty)
     if STORE_Y:
-        tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
+        tl.store(y_ptr + rows[:, None] * stride_ym + (y_col0 + cols)[None, :], y, mask=mask)
     y = y.to(tl.float32)
 
     s = load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
@@ -363,11 +363,28 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
              eval_norm: Optional[EvalNormalization] = None) -> GemmOutputs:
     """y = x @ W^T + b with the epilogue asked for. `eval_norm` (eval mode) fills mean/invstd from the
     running statistics, and with EPILOGUE_NORMALIZE normalizes into a new output."""
-    x, weight, bias = linear.x, linear.weight, linear.bias
+    x, weight = linear.x, linear.weight
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"run_gemm: bad shapes {tuple(x.shape)} @ {tuple(weight.shape)}^T")
     if epilogue == EPILOGUE_NORMALIZE.value and eval_norm is None:
         raise ValueError("run_gemm: the NORMALIZE epilogue needs eval_norm (eval mode)")
+    m, n = x.shape[0], weight.shape[0]
+    y = torch.empty((m, n) if store_y else (0, 0), device=x.device, dtype=x.dtype)
+    return gemm_into(y, 0, linear, precision, config, epilogue, store_y, scale_before, eval_norm)
+
+
+def needs_k_major_copy(weight: Tensor, precision: str) -> bool:
+    """An (in, out) weight seen as (out, in) (a matmul head's W.t(), a backward's x.t()): TF32 tensor
+    cores read their second operand K-major only, so the GEMM gives them a K-major copy (the tuner
+    times it). A split W is K-major already."""
+    return weight.dtype == torch.float32 and precision != "split_w" and weight.stride(1) != 1
+
+
+def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: GemmConfig,
+               epilogue: int = EPILOGUE_LINEAR.value, store_y: bool = True, scale_before: Scale = Scale(),
+               eval_norm: Optional[EvalNormalization] = None) -> GemmOutputs:
+    """One launch: x @ W^T + b into y's columns y_col0 on, and the epilogue's other outputs (new)."""
+    x, weight, bias = linear.x, linear.weight, linear.bias
     m, k = x.shape
     n = weight.shape[0]
     device = x.device
@@ -377,11 +394,8 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
     elif precision == "split_x":
         x, lo = split_tf32(x)
     # The operands' shapes from here on are (m, k) and (n, k), whatever their buffers' widths.
-    if x.dtype == torch.float32 and weight.stride(1) != 1:
-        # An (in, out) weight seen as (out, in) (a matmul head's W.t(), a backward's x.t()): TF32 tensor
-        # cores read their second operand K-major only, so give them a K-major copy (the tuner times it).
+    if needs_k_major_copy(weight, precision):
         weight = weight.contiguous()
-    y = torch.empty((m, n) if store_y else (0, 0), device=device, dtype=x.dtype)
     normalizes = epilogue == EPILOGUE_NORMALIZE.value
     out = torch.empty((m, n), device=device, dtype=eval_norm.out_dtype) if normalizes else None
     statistics = epilogue == EPILOGUE_STATISTICS.value
@@ -414,8 +428,8 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
         opt(scale_before.tensor), opt(bn and bn.running_mean), opt(bn and bn.running_var),
         opt(bn and bn.weight), opt(bn and bn.bias), *(opt(t) for t in tail.tensors),
         y, opt(out), part_mean, part_m2, opt(eval_norm and eval_norm.mean), opt(eval_norm and eval_norm.invstd),
-        m, n, k,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        m, n, k, y_col0,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
         scale_before.value, bn.eps if bn else 0.0,
         PRECISION=(PRECISIONS[precision] if x.dtype == torch.float32 else NATIVE).value,
         EPILOGUE=epilogue, STORE_Y=store_y, EVAL_STATS=eval_norm is not None,

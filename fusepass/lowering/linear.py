@@ -71,7 +71,7 @@ class LinearImplementation:
                 return F.linear(x, weight, bias)
         if self.k_major_copies:
             x, weight = _k_major_copy(x), _k_major_copy(weight)
-        return gemm.run_gemm(Linear(x, weight, bias), self.precision, self.config).y
+        return run_in_blocks(Linear(x, weight, bias), self.precision, self.config)
 
     def unlaunchable(self, call: LinearCall) -> Optional[str]:
         """Why this call cannot run on the Triton GEMM (limits.py), or None; cuBLAS always runs."""
@@ -79,6 +79,35 @@ class LinearImplementation:
             return None
         return limits.first(limits.off_device(call.x.device, (call.weight, call.bias)),
                             gemm.unlaunchable(call.x, call.weight, self.precision, self.config))
+
+
+# The most memory the GEMM's copies of W take at once (its tf32 split, or a K-major copy): 16 MiB, a
+# sixteenth of an 8192 x 8192 fp32 W; at its weight gradient with a 1024-row batch, blocks of 1024
+# 128 x 128 tiles.
+COPY_BYTES = 16 << 20
+
+
+def run_in_blocks(linear: Linear, precision: str, config: gemm.GemmConfig, copy_bytes: int = COPY_BYTES) -> Tensor:
+    """x @ W^T + b on the Triton GEMM, in blocks of W's rows (y's columns) where the GEMM copies W: each
+    block's copies take at most `copy_bytes` (at least one column tile's), not W's size again, and are
+    freed before the next block's."""
+    x, weight, bias = linear.x, linear.weight, linear.bias
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    rows = _rows_per_block(precision, weight, hint(k), config.block_n, copy_bytes)
+    for n0 in range(0, n, rows):
+        block = Linear(x, weight[n0:n0 + rows], bias[n0:n0 + rows] if bias is not None else None)
+        gemm.gemm_into(y, n0, block, precision, config)
+    return y
+
+
+def _rows_per_block(precision: str, weight: Tensor, k: int, block_n: int, copy_bytes: int) -> int:
+    copies = 2 if precision == "split_w" else int(gemm.needs_k_major_copy(weight, precision))
+    if copies == 0:
+        return weight.shape[0]
+    tile_bytes = copies * block_n * max(k, 1) * weight.element_size()
+    return min(weight.shape[0], max(1, copy_bytes // tile_bytes) * block_n)
 
 
 def _validate(call: LinearCall) -> None:

@@ -36,6 +36,29 @@ def test_triton_gemm_on_each_layout_no_further_from_float64_than_eager(layout, p
                                        F.linear(a.double(), b.double()))
 
 
+@pytest.mark.parametrize("layout, precision, blocks", [("grad_weight", "split_w", [32, 32, 6]),
+                                                       ("forward", "split_w", [32, 32, 6]),
+                                                       ("grad_x", "split_x", [64, 6]), ("grad_x", "tf32x3", [64, 6]),
+                                                       ("forward", "tf32x3", [70])])
+def test_blocks_of_w_bound_its_copies_and_change_no_bit(layout, precision, blocks, monkeypatch):
+    """Where the GEMM copies W (its split: two copies; a K-major copy of a transposed view: one), it runs
+    on blocks of W's rows whose copies stay within the bound, and gives bit for bit one launch's result:
+    every y tile is the same dot products in the same order. 70 columns: the last block is partial."""
+    a, b = _operands(layout, 37, 24, 70, seed=3)
+    whole = gemm.run_gemm(gemm.Linear(a, b, None), precision, SMALL).y
+    launched = []
+    gemm_into = gemm.gemm_into
+
+    def recording(y, y_col0, block, *rest):
+        launched.append(block.weight.shape[0])
+        return gemm_into(y, y_col0, block, *rest)
+    monkeypatch.setattr(gemm, "gemm_into", recording)
+    bound = 2 * SMALL.block_n * 24 * 4  # one column tile's split of a 24-wide fp32 W
+    y = linear.run_in_blocks(gemm.Linear(a, b, None), precision, SMALL, copy_bytes=bound)
+    assert torch.equal(y, whole)
+    assert launched == blocks
+
+
 def _candidates(a, b, traced, fp32_matmul="tf32x3", gemm_option="auto"):
     call = linear.LinearCall(a, b, None, fp32_matmul, gemm_option)
     return linear.candidates(call, linear.problem(call, traced), traced)
@@ -113,3 +136,21 @@ def test_op_and_its_gradients_no_further_from_float64_than_eager_on_cuda(gemm_ch
         results[name] = (out, x.grad, w.grad, b.grad)
     for i, what in enumerate(("out", "grad x", "grad weight", "grad bias")):
         assert_no_further_from_float64(what, results["fused"][i], results["eager"][i], results["float64"][i])
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_weight_gradient_copies_stay_within_the_bound_on_cuda():
+    """A weight gradient on the pre-split GEMM (4096 x 4096, 2048-row batch; its W split whole: 64 MB):
+    beyond its output, the call holds no more than the bound at any time, and stays exact."""
+    torch.manual_seed(0)
+    g, x = torch.randn(2048, 4096, device="cuda"), torch.randn(2048, 4096, device="cuda")
+    call = linear.LinearCall(g.t(), x.t(), None, "tf32x3", "auto")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grad_weight = linear.LinearImplementation("split_w", gemm.gemm_configs("split_w", torch.float32)[0])(call)
+    torch.cuda.synchronize()
+    beyond_output = torch.cuda.max_memory_allocated() - before - grad_weight.numel() * 4
+    assert beyond_output <= linear.COPY_BYTES + (1 << 20)
+    assert_no_further_from_float64("grad_weight", grad_weight, g.t() @ x, g.t().double() @ x.double())
