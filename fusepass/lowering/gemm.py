@@ -95,14 +95,14 @@ def shortlist(configs: list[GemmConfig], m: int, n: int, device: torch.device) -
     (measured at 128 x 1024 -> 512 on an H100: 16 tiles of 128 x 128 for 132 SMs)."""
     first = configs[0]
     chosen = [c for c in configs if (c.block_m, c.block_n, c.block_k) == (first.block_m, first.block_n, first.block_k)]
-    if triton.cdiv(m, first.block_m) * triton.cdiv(n, first.block_n) < _sm_count(device):
+    if triton.cdiv(m, first.block_m) * triton.cdiv(n, first.block_n) < sm_count(device):
         smallest = min(configs, key=lambda c: c.block_m * c.block_n)
         chosen += [c for c in configs if c.block_m * c.block_n == smallest.block_m * smallest.block_n
                    and c not in chosen]
     return chosen
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
