@@ -209,3 +209,22 @@ def test_weight_in_in_out_layout(device, training):
     assert_no_further_from_float64("output", fused, eager, exact)
     assert_no_further_from_float64("grad W", fused_w, eager_w, exact_w)
     assert_no_further_from_float64("grad x", fused_x, eager_x, exact_x)
+
+
+@pytest.mark.parametrize("softmax", [False, True])
+def test_what_the_op_saves_for_its_backward(softmax):
+    """In training the op keeps one (N, F) tensor for its backward, the linear output, from which the
+    backward rebuilds the normalized output with the statistics; a softmax chain keeps its probabilities
+    too. Everything else it saves is one of its inputs or F-sized (the statistics); never the running
+    statistics."""
+    args = make_args(48, 24, 40, tail="bias_div_swish", softmax=softmax, requires_grad=True, save_linear_out=True,
+                     device="cpu")
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        op.call(args)
+    bn = args.batch_norm
+    inputs = [args.linear.x, args.linear.weight, args.linear.bias, args.scale_before.tensor, bn.weight, bn.bias,
+              *args.tail.tensors]
+    not_inputs = [t for t in saved if not any(t is i for i in inputs if i is not None)]
+    assert sorted(tuple(t.shape) for t in not_inputs) == sorted([(48, 40)] * (1 + softmax) + [(40,), (40,)])
+    assert not any(t is bn.running_mean or t is bn.running_var for t in saved)
