@@ -1,6 +1,7 @@
 """fusepass-bench, the command line of measure.py: is fusepass correct on a KernelBench-format problem,
-and how much faster is it? Tables, JSON and a plot of measure.run's results; and two more modes, the
-shape-changes loop (shape_changes.py) and --tune-only (fusepass.warmup).
+and how much faster is it? Tables, JSON and a plot of measure.run's results; and three more modes, the
+shape-changes loop (shape_changes.py), the largest batch that trains (largest_batch.py) and --tune-only
+(fusepass.warmup).
 
     python -m fusepass.bench PROBLEM.py [PROBLEM.py ...] [options]      (or: fusepass-bench ...)
 """
@@ -18,7 +19,7 @@ from typing import Optional
 import torch
 from tabulate import tabulate
 
-from fusepass import shape_changes
+from fusepass import largest_batch, shape_changes
 from fusepass.lowering.tuning import TUNER
 from fusepass.measure import Config, Result, environment, run
 from fusepass.problems import MIN_SHRUNK, ProblemSizeError, Size, check_size
@@ -148,9 +149,14 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[list[str], Config, arg
     parser.add_argument("--tune-only", action="store_true",
                         help="fill fusepass's tuning cache for --batch-sizes (fusepass.warmup) and time nothing")
     parser.add_argument("--batch-sizes", type=parse_batches, metavar="B,B,...", help="with --tune-only")
+    parser.add_argument("--largest-batch", action="store_true",
+                        help="the largest batch whose training step (with an SGD step) fits in memory, per "
+                             "provider and precision, each provider in a process of its own")
     args = parser.parse_args(argv)
     if args.tune_only and not args.batch_sizes:
         raise BenchError("--tune-only needs --batch-sizes")
+    if args.largest_batch and args.device != "cuda":
+        raise BenchError("--largest-batch measures GPU memory: it needs --device cuda")
     # eager first: running statistics and the float64 criterion are judged against it
     args.providers = ["eager", *(p for p in args.providers if p != "eager")]
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -176,6 +182,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return tune_only(paths, cfg, args.batch_sizes)
     if args.batch_sequence:
         return run_shape_changes(paths, cfg, args, env)
+    if args.largest_batch:
+        return run_largest_batch(paths, cfg, args.json, env)
     try:
         if args.plot:
             try:
@@ -228,6 +236,21 @@ def run_shape_changes(paths: list[str], cfg: Config, args: argparse.Namespace, e
                              "sequence": args.batch_sequence, "results": results})
     if args.json:
         Path(args.json).write_text(json.dumps({"environment": env, "shape_changes": runs}, indent=2))
+    return 0
+
+
+def run_largest_batch(paths: list[str], cfg: Config, json_path: Optional[str], env: dict) -> int:
+    """The largest-batch mode: every problem and precision, each provider in a process of its own."""
+    print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}")
+    runs = []
+    for path in paths:
+        for precision in cfg.precisions:
+            results = largest_batch.compare(path, precision, cfg.providers, cfg.device, cfg.size, cfg.shrink)
+            print(f"\n{Path(path).stem}, train, {precision}: the largest batch whose training step fits")
+            print(largest_batch.format_table(results))
+            runs.append({"problem": Path(path).stem, "precision": precision, "results": results})
+    if json_path:
+        Path(json_path).write_text(json.dumps({"environment": env, "largest_batch": runs}, indent=2))
     return 0
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import fusepass
 import fusepass.backend
 import fusepass.bench as bench
+import fusepass.largest_batch as largest_batch
 import fusepass.measure as measure
 import fusepass.providers as providers
 
@@ -376,3 +377,39 @@ def test_peak_memory_drops_every_models_gradients_first():
     dropped = measure.peak_memory_mb(step, "cuda", [*earlier.parameters(), *measured.parameters()])
     assert earlier.weight.grad is None
     assert kept - dropped >= 4.0
+
+
+@pytest.mark.parametrize("threshold", [0, 1, 37, 1000])
+def test_largest_batch_search_finds_the_threshold_within_its_resolution(threshold):
+    tried = []
+
+    def trains(batch):
+        tried.append(batch)
+        return batch <= threshold
+    found = largest_batch.search(trains, start=32)
+    assert threshold * (1 - largest_batch.RESOLUTION) <= found <= threshold
+    assert found in tried or found == 0
+    assert largest_batch.search(lambda batch: True, start=32, limit=100) == 100
+
+
+def test_largest_batch_run_stops_below_the_first_out_of_memory(monkeypatch):
+    """A provider that runs out of memory above 37 rows: 37 is found, and a failed step does not stop the
+    next."""
+    def make_provider(name, model):
+        def step(x):
+            if x.shape[0] > 37:
+                raise torch.OutOfMemoryError("simulated")
+            return model(x)
+        return step
+    monkeypatch.setattr(largest_batch, "make_provider", make_provider)
+    result = largest_batch.run(str(PROBLEMS / "gemm_scale_batchnorm.py"), "eager", "fp32", "cpu", shrink=256)
+    assert result["largest_batch"] == 37 and not result["limit_reached"]
+    assert result["tried"]["37"] is True and result["tried"]["38"] is False
+
+
+def test_largest_batch_mode_runs_each_provider_in_a_process_of_its_own():
+    [result] = largest_batch.compare(str(PROBLEMS / "gemm_scale_batchnorm.py"), "fp32", ["eager"], "cpu",
+                                     shrink=256, limit=40)
+    assert result["provider"] == "eager" and result["largest_batch"] == 40 and result["limit_reached"]
+    assert "limit" in largest_batch.format_table([result])
+    assert bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), "--device", "cpu", "--largest-batch"]) == 2

@@ -21,7 +21,8 @@ LAYERS = [
     ("stages around the pipeline", ["fusepass.timing", "fusepass.ddp"]),
     ("reports and warm-up", ["fusepass.explain", "fusepass.warmup"]),
     ("the backend", ["fusepass.backend"]),
-    ("benchmarks", ["fusepass.providers", "fusepass.measure", "fusepass.shape_changes", "fusepass.bench"]),
+    ("benchmarks", ["fusepass.providers", "fusepass.measure", "fusepass.shape_changes", "fusepass.largest_batch",
+                    "fusepass.bench"]),
     ("the package", ["fusepass"]),
 ]
 
