@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 from tabulate import tabulate
 
-from fusepass.providers import build_model, load, make_provider, precision_context, problem_inputs, sync
+from fusepass.providers import build_model, load, make_provider, problem_inputs, sync, training_step
 from fusepass.warmup import with_batch
 
 RESOLUTION = 1 / 32  # of the largest batch: the search stops when its bounds are this close
@@ -58,19 +58,14 @@ def run(path: str, provider: str, precision: str, device: str, size: Optional[li
 
     def trains(batch: int) -> bool:
         inputs = [with_batch(value, batch) for value in example]
-        optimizer.zero_grad(set_to_none=True)
         try:
-            with precision_context(precision, device):
-                out = fn(*inputs)
-            with precision_context(precision, device, backward=True):
-                out.float().sum().backward()
-            optimizer.step()
+            training_step(fn, optimizer, inputs, precision, device)
             sync(device)
             tried[batch] = True
         except torch.OutOfMemoryError:
             tried[batch] = False
         finally:
-            inputs = out = None  # noqa: F841  (the failed step's tensors go before the next try)
+            inputs = None  # the failed step's tensors go before the next try
             optimizer.zero_grad(set_to_none=True)
             gc.collect()
             if device == "cuda":

@@ -169,6 +169,17 @@ def provider_call(fn: Callable, inputs: list, *, mode: str, precision: str, devi
     return call
 
 
+def training_step(fn: Callable, optimizer: torch.optim.Optimizer, inputs: list, precision: str, device: str) -> None:
+    """One step of a training loop: the gradients dropped, fn(*inputs) in `precision`, the backward of
+    out.sum(), the optimizer's step."""
+    optimizer.zero_grad(set_to_none=True)
+    with precision_context(precision, device):
+        out = fn(*inputs)
+    with precision_context(precision, device, backward=True):
+        out.float().sum().backward()
+    optimizer.step()
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

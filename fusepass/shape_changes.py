@@ -26,7 +26,8 @@ import torch
 from tabulate import tabulate
 from torch._dynamo.utils import counters
 
-from fusepass.providers import build_model, load, make_provider, precision_context, problem_inputs, sync
+from fusepass.providers import (build_model, load, make_provider, precision_context, problem_inputs, sync,
+                                training_step)
 from fusepass.warmup import with_batch
 
 STEADY_REPEATS = 5
@@ -51,12 +52,7 @@ def run_sequence(path: str, provider: str, sequence: list[int], mode: str, preci
             with torch.no_grad(), precision_context(precision, device):
                 fn(*inputs)
         else:
-            optimizer.zero_grad(set_to_none=True)
-            with precision_context(precision, device):
-                out = fn(*inputs)
-            with precision_context(precision, device, backward=True):
-                out.float().sum().backward()
-            optimizer.step()
+            training_step(fn, optimizer, inputs, precision, device)
         sync(device)
         return time.perf_counter() - start
 
