@@ -24,6 +24,7 @@ A key appears once it has been counted: a process whose graphs all fused has no 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections import Counter
@@ -87,9 +88,28 @@ def _compile(gm: GraphModule, example_inputs: list, opts: Options) -> Callable:
         stats["unfused"] += unfused
     if not matches:  # nothing of fusepass's in this graph: plain Inductor, its errors its own
         return compile_fx(gm, example_inputs, config_patches=opts.inductor_patches)
-    return _FirstCallGuard(compiled, mutated, lambda exc: _fall_back(
-        original, example_inputs, opts, f"the fused graph failed on its first call: {exc!r}",
-        not_used=counted))
+    contexts = _compile_contexts()
+
+    def fall_back_at_first_call(exc: Exception) -> Callable:
+        with contexts():
+            return _fall_back(original, example_inputs, opts, f"the fused graph failed on its first call: {exc!r}",
+                              not_used=counted)
+    return _FirstCallGuard(compiled, mutated, fall_back_at_first_call)
+
+
+def _compile_contexts() -> Callable[[], contextlib.AbstractContextManager]:
+    """Re-enters, later, the contexts Dynamo compiles this graph in (its tracing context: fake mode, shape
+    environment, guards). A fallback compiled at the first call needs them: outside, compile_fx takes
+    symbolic example inputs for static ones (a graph for one batch size) and Inductor finds no hint for
+    their symbols."""
+    tracing_context = torch._guards.TracingContext.try_get()
+    compile_context = torch._guards.CompileContext.try_get()
+
+    @contextlib.contextmanager
+    def contexts():
+        with torch._guards.compile_context(compile_context), torch._guards.tracing(tracing_context):
+            yield
+    return contexts
 
 
 def _count_by_family(matches: list) -> Counter:
@@ -135,7 +155,9 @@ def mutated_input_positions(gm: GraphModule) -> list[int]:
 
 class _FirstCallGuard:
     """Runs the fused graph; if its first call fails (a Triton kernel that does not compile, say),
-    restores the inputs the graph mutates in place and switches this graph to the fallback for good."""
+    restores the inputs the graph mutates in place and switches this graph to the fallback for good.
+    Running out of memory is the call's failure, not the graph's: eager would fail the same way, so the
+    error is the user's to see (a search for the largest batch catches it), and the fused graph stays."""
 
     def __init__(self, compiled: Callable, mutated_positions: list[int],
                  make_fallback: Callable[[Exception], Callable]):
@@ -154,6 +176,8 @@ class _FirstCallGuard:
             with torch.no_grad():
                 for i, value in saved.items():
                     args[i].copy_(value)
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise
             self._compiled = self._make_fallback(exc)
             result = self._compiled(*args)
         self._checked = True

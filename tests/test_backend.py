@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -15,8 +16,8 @@ from torch._dynamo.utils import counters
 import fusepass.backend
 import fusepass.lowering.op as lowering
 from fusepass.backend import FusepassFallbackWarning
-from tests.chains import (DEVICES, Between, ChainModel, SecondUser, ThreeD, Trio, assert_fused, fusepass_counts,
-                          make_input)
+from tests.chains import (DEVICES, Between, ChainModel, SecondUser, ThreeD, Trio, assert_fused,
+                          assert_no_further_from_float64, fusepass_counts, make_input)
 
 VARIANTS = {
     "per_feature": {},
@@ -398,24 +399,26 @@ def test_fused_op_failing_at_first_call_falls_back_without_double_update(monkeyp
     assert fusepass_counts() == {"graphs": 1, "rewrites": 0, "fallbacks": 1}
 
 
-def _break_first_fused_compile(monkeypatch, how):
+def _break_first_fused_compile(monkeypatch, how, error=RuntimeError("simulated first-call failure")):
     """compile_fx, but the first graph compiled (the fused one) fails: when compiled ("compile") or on its
-    first call ("call"). The fallback's own compile_fx is the real one."""
-    real, calls = fusepass.backend.compile_fx, []
+    first call ("call", raising `error`). The fallback's own compile_fx is the real one. A compile that
+    Dynamo restarts (RestartAnalysis from inside compile_fx) is not the first graph compiled."""
+    real, calls, compiled_once = fusepass.backend.compile_fx, [], []
 
     def first_fails(gm, example_inputs, config_patches=None):
         calls.append(gm)
         if len(calls) == 1 and how == "compile":
             raise RuntimeError("simulated compile failure")
         compiled = real(gm, example_inputs, config_patches=config_patches)
-        if len(calls) > 1:
+        if compiled_once or how == "compile":
             return compiled
+        compiled_once.append(gm)
         state = {"failed": False}
 
         def fails_once(*args):
             if not state["failed"]:
                 state["failed"] = True
-                raise RuntimeError("simulated first-call failure")
+                raise error
             return compiled(*args)
         return fails_once
 
@@ -442,6 +445,44 @@ def test_fused_graph_failing_falls_back_and_takes_its_rewrites_back(monkeypatch,
     assert len(calls) == 2  # the fused graph, then the fallback's
     assert torch.equal(trio.fused.bn.num_batches_tracked, trio.eager.bn.num_batches_tracked)
     assert fusepass_counts() == {"graphs": 1, "rewrites": 0, "fallbacks": 1}
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_symbolic_graph_failing_on_its_first_call_falls_back_for_every_size(monkeypatch, training):
+    """dynamic=True: the fallback, compiled at the first call, serves every batch size as the fused graph
+    would have (compiled outside Dynamo's tracing context, it was a graph for the first size alone)."""
+    _break_first_fused_compile(monkeypatch, "call")
+    torch.manual_seed(10)
+    trio = Trio.of(ChainModel(40, 24, scale=None, bias=False, scale_after="single"), dynamic=True, **UNFUSED)
+    trio.train(training)
+    with pytest.warns(FusepassFallbackWarning, match="simulated first-call failure"):
+        trio.step(make_input(11, 40))
+    for batch in (13, 6, 29):
+        trio.step(make_input(batch, 40))
+    trio.finish()
+    assert torch.equal(trio.fused.bn.num_batches_tracked, trio.eager.bn.num_batches_tracked)
+    assert fusepass_counts() == {"graphs": 1, "rewrites": 0, "fallbacks": 1}
+
+
+def test_running_out_of_memory_on_the_first_call_is_raised_and_the_fused_graph_kept(monkeypatch):
+    """Out of memory is the call's failure, not the graph's: raised as eager raises it, the running
+    statistics as they were, and the next call runs fused."""
+    _break_first_fused_compile(monkeypatch, "call", torch.OutOfMemoryError("simulated: out of memory"))
+    torch.manual_seed(12)
+    model = ChainModel(40, 24)
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    fast = torch.compile(model, backend="fusepass")
+    x = make_input(11, 40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusepassFallbackWarning)
+        with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+            fast(x)
+        assert torch.equal(model.bn.running_mean, eager.bn.running_mean)
+        assert torch.equal(model.bn.num_batches_tracked, eager.bn.num_batches_tracked)
+        out = fast(x)
+    assert_no_further_from_float64("output", out, eager(x), ref(x.double()))
+    assert torch.equal(model.bn.num_batches_tracked, eager.bn.num_batches_tracked)
+    assert fusepass_counts() == {"graphs": 1, "rewrites": 1, "fallbacks": 0}
 
 
 # --------------------------------------------------------------------------- each GEMM implementation on a GPU
