@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "benchmark_report.py"
@@ -191,8 +192,9 @@ def test_help_runs_from_the_repository_root():
     assert "forward-fp32" in done.stdout and "write" in done.stdout
 
 
-def test_run_commands_match_the_bench_cli():
+def test_run_commands_match_the_bench_cli(monkeypatch):
     bench = pytest.importorskip("fusepass.bench")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU-only modes' commands parse too
     for spec in report.SPECS:
         argv = spec.argv(Path("out.json"))
         assert argv[1:3] == ["-m", "fusepass.bench"]
@@ -219,6 +221,20 @@ def test_shape_changes_section_has_every_step_and_the_totals(tmp_path):
     assert table_line(text, "Shape changes", "777")[2:4] == ["2.66", "0.30"]
     assert table_line(text, "Shape changes", "| total")[2:4] == ["7.16", "5.81"]
     assert "shape-changes-train-fp32" not in section_text(text, "Sources")  # not a timing source
+
+
+def test_largest_batch_section_has_each_provider_and_the_ratio(tmp_path):
+    found = {"eager": 700000, "inductor": 640000, "fusepass": 768000}
+    run = {"problem": "mlp_batchnorm", "precision": "fp32",
+           "results": [{"provider": name, "precision": "fp32", "largest_batch": batch, "limit_reached": False,
+                        "tried": {}} for name, batch in found.items()]}
+    largest = {"environment": {"device": "NVIDIA H100", "torch": "9.9.0", "triton": "8.8.0",
+                               "date": "2030-01-01T00:00:00+00:00", "command": "fusepass-bench p.py --largest-batch"},
+               "largest_batch": [run]}
+    text = write_report(tmp_path, {"forward-fp32": payload(four_providers()), "largest-batch-mlp": largest})
+    assert table_line(text, "Largest batch that trains", "mlp_batchnorm")[:7] == [
+        "mlp_batchnorm", "default", "fp32", "700000", "640000", "768000", "1.20×"]
+    assert "largest-batch-mlp" not in section_text(text, "Sources")  # not a timing source
 
 
 def test_a_wide_spread_is_shown_beside_the_median(tmp_path):

@@ -78,8 +78,13 @@ class Spec:
     timing: tuple[str, ...] = TIMING
     warm: bool = False  # run twice over the same caches; keep the second run
     batch_sequence: Optional[str] = None  # the shape-changes mode: B,B,... (cold and warm caches, by the bench)
+    largest_batch: bool = False  # the largest-batch mode
 
     def argv(self, json_path: Path) -> list[str]:
+        if self.largest_batch:
+            return [sys.executable, "-m", "fusepass.bench", *self.problems, "--largest-batch", "--device", "cuda",
+                    "--precision", *self.precisions, "--providers", *self.providers, "--json", str(json_path),
+                    *(["--size", self.size] if self.size else [])]
         if self.batch_sequence:
             return [sys.executable, "-m", "fusepass.bench", *self.problems, "--batch-sequence", self.batch_sequence,
                     "--mode", *self.modes, "--precision", *self.precisions, "--providers", *self.providers,
@@ -131,6 +136,12 @@ SPECS: list[Spec] = [
          providers=("inductor", "fusepass"), batch_sequence="1024,1024,1024,777,1024,1024,777,1024,512"),
     Spec("shape-changes-eval-fp32", "shape-changes", (SCALE_BN,), ("eval",), ("fp32",), 240, size="1024,4096,4096",
          providers=("inductor", "fusepass"), batch_sequence="1,8,33,64,100,256,8,1000,64"),
+    # Issue 27's measure: each provider's search is ~13 training steps at up to ~1M rows, two compiles (H100:
+    # the MLP's ~50 s per provider and precision).
+    Spec("largest-batch-mlp", "largest-batch", (MLP,), ("train",), ("fp32", "bf16-autocast"), 300,
+         providers=("eager", "inductor", "fusepass"), largest_batch=True),
+    Spec("largest-batch-1024", "largest-batch", (SCALE_BN,), ("train",), ("fp32", "bf16-autocast"), 300,
+         size="1024,8192,8192", providers=("eager", "inductor", "fusepass"), largest_batch=True),
 ]
 SECTIONS = list(dict.fromkeys(spec.section for spec in SPECS))
 # Sections grouped into device calls of under 9 minutes each: the estimates add up to at most 7.2
@@ -147,6 +158,8 @@ DEVICE_CALLS = [
     ("tails-heads",),
     ("shape-changes-train-fp32",),
     ("shape-changes-eval-fp32",),
+    ("largest-batch-mlp",),
+    ("largest-batch-1024",),
 ]
 
 COLD_NOTE = ("empty Inductor (FX-graph, autotuning), Triton and fusepass tuning caches of its own: "
@@ -313,12 +326,16 @@ def rows_of(source: Source) -> list[Row]:
 
 
 def load_sources(json_dir: Path) -> list[Source]:
-    """fusepass-bench's timing JSON (the shape-changes mode's is load_shape_changes')."""
-    return [source for source in _load(json_dir) if SHAPE_CHANGES_KEY not in source.payload]
+    """fusepass-bench's timing JSON (the shape-changes and largest-batch modes' are loaded apart)."""
+    return [source for source in _load(json_dir) if not {SHAPE_CHANGES_KEY, LARGEST_BATCH_KEY} & source.payload.keys()]
 
 
 def load_shape_changes(json_dir: Path) -> list[Source]:
     return [source for source in _load(json_dir) if SHAPE_CHANGES_KEY in source.payload]
+
+
+def load_largest_batch(json_dir: Path) -> list[Source]:
+    return [source for source in _load(json_dir) if LARGEST_BATCH_KEY in source.payload]
 
 
 def _load(json_dir: Path) -> list[Source]:
@@ -713,8 +730,32 @@ def shape_changes_tables(sources: list[Source]) -> Optional[str]:
     return "\n".join(parts).rstrip() or None
 
 
+LARGEST_BATCH_KEY = "largest_batch"
+LARGEST_BATCH_INTRO = (
+    "`fusepass-bench --largest-batch`: the largest batch whose training step (forward, backward, an SGD step) "
+    "fits in the GPU's memory, each provider in a process of its own: the batch doubles from the problem's own "
+    "until a step runs out of memory, then is bisected to within 1/32. \"vs Inductor\" is fusepass's largest "
+    "batch over Inductor's.")
+
+
+def largest_batch_table(sources: list[Source]) -> Optional[str]:
+    rows = []
+    for source in sources:
+        size = source.env["command"].split("--size ")[1].split()[0] if "--size " in source.env["command"] else "default"
+        for run in source.payload[LARGEST_BATCH_KEY]:
+            found = {r["provider"]: r for r in run["results"]}
+            cells = [f"{found[p]['largest_batch']}" + (" (limit)" if found[p]["limit_reached"] else "")
+                     if p in found else "-" for p in ("eager", "inductor", "fusepass")]
+            ratio = (f"{found['fusepass']['largest_batch'] / found['inductor']['largest_batch']:.2f}×"
+                     if {"fusepass", "inductor"} <= found.keys() and found["inductor"]["largest_batch"] else "-")
+            rows.append([run["problem"], size, run["precision"], *cells, ratio, source.env["device"],
+                         f"`{shown_path(source.path)}`"])
+    return markdown(rows, ["problem", "size", "precision", "eager", "Inductor", "fusepass", "vs Inductor", "GPU",
+                           "file"]) if rows else None
+
+
 def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
-           shape_changes: Optional[list[Source]] = None) -> str:
+           shape_changes: Optional[list[Source]] = None, largest_batch: Optional[list[Source]] = None) -> str:
     rows = newest_rows(sources)
     sources = shown_sources(sources, rows)
     parts = ["# Benchmarks", "", "fusepass's current performance, generated by `tools/benchmark_report.py` from the "
@@ -741,6 +782,7 @@ def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
                      "dropped before it. It includes every tensor the bench process holds — each provider's copy "
                      "of the model and a float64 copy — so only the differences between providers are the "
                      "providers' own.", memory_table(rows))
+    parts += section("Largest batch that trains", LARGEST_BATCH_INTRO, largest_batch_table(largest_batch or []))
     parts += section("Shape changes", SHAPE_CHANGES_INTRO, shape_changes_tables(shape_changes or []))
     parts += section("Several GPUs", MULTI_GPU_INTRO, multi_gpu_table(multi_gpu))
     parts += ["## Sources", "", sources_table(sources), ""]
@@ -768,7 +810,8 @@ def kept_section(report: Path) -> str:
 
 
 def write(json_dir: Path, output: Path) -> None:
-    text = render(load_sources(json_dir), kept_section(output), load_multi_gpu(json_dir), load_shape_changes(json_dir))
+    text = render(load_sources(json_dir), kept_section(output), load_multi_gpu(json_dir), load_shape_changes(json_dir),
+                  load_largest_batch(json_dir))
     output.write_text(text)
     print(f"wrote {shown_path(output)}")
 
