@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import fusepass
+from fusepass.lowering import linear
 from tests.chains import DEVICES, MLP, ChainModel, Trio, assert_fused, make_input
 from tests.test_backend import run_train_then_eval
 
@@ -102,6 +103,24 @@ def test_linear_feeding_a_chain_and_fed_by_one_is_rewritten_once_each():
     run_train_then_eval(model, "cpu", steps=2, make_x=lambda: make_input(16, 32),
                         zero_grads=("a.linear.bias", "b.linear.bias"), float64_grads=("a.scale", "b.scale"))
     assert_fused(rewrites=2 * 2, graphs=2, linears=2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_batch_past_the_split_copy_limit_trains_its_weight_gradients_on_cublas(monkeypatch):
+    """A symbolic batch: the weight gradients' split copies (a few hundred bytes per row here) stay under
+    a 64 KiB limit at 48 and 64 rows and pass it at 600. That batch's graph (compiled again, on a guard)
+    runs those GEMMs on cuBLAS; every step stays exact."""
+    monkeypatch.setattr(linear, "SPLIT_COPY_LIMIT", 64 << 10)
+    torch.manual_seed(23)
+    trio = Trio.of(MLP(40, [72, 56, 24]).cuda())
+    for batch in (48, 64, 600, 64):
+        trio.step(make_input(batch, 40, "cuda"))
+    trio.finish()
+    weight_gradients = {problem.sizes[0]: impl.name for (problem, _), impl in linear.LINEAR._chosen.items()
+                        if "layout=mm" in problem.family}
+    assert weight_gradients and weight_gradients[1024] == "cublas"
+    assert all(name.startswith("triton split") for batch, name in weight_gradients.items() if batch <= 64)
 
 
 @pytest.mark.cuda

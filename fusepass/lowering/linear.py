@@ -74,11 +74,13 @@ class LinearImplementation:
         return run_in_blocks(Linear(x, weight, bias), self.precision, self.config)
 
     def unlaunchable(self, call: LinearCall) -> Optional[str]:
-        """Why this call cannot run on the Triton GEMM (limits.py), or None; cuBLAS always runs."""
+        """Why this call cannot run on the Triton GEMM (limits.py, and the copy limit below), or None;
+        cuBLAS always runs."""
         if self.config is None:
             return None
         return limits.first(limits.off_device(call.x.device, (call.weight, call.bias)),
-                            gemm.unlaunchable(call.x, call.weight, self.precision, self.config))
+                            gemm.unlaunchable(call.x, call.weight, self.precision, self.config),
+                            _copy_past_limit(call, self.precision, self.config))
 
 
 # The most memory the GEMM's copies of W take at once (its tf32 split, or a K-major copy): 16 MiB, a
@@ -90,6 +92,15 @@ COPY_BYTES = 16 << 20
 BLOCK_WAVES = 8
 
 
+# The most a GEMM's tf32 split may copy of an operand whose size grows with the batch: a weight gradient
+# splits one of two (batch x features) operands, whose block of BLOCK_WAVES waves is often all of it (a
+# 4096-feature layer: 32 KiB per row, 8 GiB at 262144 rows). Past it the call runs on cuBLAS, copying
+# nothing: an MLP(1024, [4096, 4096, 256]) training step at 262144 rows held 23.0 GB on the Triton GEMMs,
+# 16.9 on cuBLAS, against Inductor's 21.0 (fp32, H100). 512 MiB keeps the seed problems' choices: their
+# largest split copy is a 16384-row weight gradient's, 512 MiB at 4096 x 4096.
+SPLIT_COPY_LIMIT = 512 << 20
+
+
 def run_in_blocks(linear: Linear, precision: str, config: gemm.GemmConfig, copy_bytes: int = COPY_BYTES,
                   min_block_tiles: Optional[int] = None) -> Tensor:
     """x @ W^T + b on the Triton GEMM, in blocks of W's rows (y's columns) where the GEMM copies W: each
@@ -97,18 +108,42 @@ def run_in_blocks(linear: Linear, precision: str, config: gemm.GemmConfig, copy_
     unless that would leave a block fewer than `min_block_tiles` output tiles (default BLOCK_WAVES waves
     of the GPU's SMs)."""
     x, weight, bias = linear.x, linear.weight, linear.bias
-    m, k = x.shape
-    n = weight.shape[0]
+    m, n = x.shape[0], weight.shape[0]
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    if min_block_tiles is None:
-        min_block_tiles = BLOCK_WAVES * gemm.sm_count(x.device)
-    row_tiles = -(-hint(m) // config.block_m)
-    rows = max(_rows_within(copy_bytes, precision, weight, hint(k), config.block_n),
-               -(-min_block_tiles // row_tiles) * config.block_n)
+    rows = _block_rows(linear, precision, config, copy_bytes, min_block_tiles)
     for n0 in range(0, n, rows):
         block = Linear(x, weight[n0:n0 + rows], bias[n0:n0 + rows] if bias is not None else None)
         gemm.gemm_into(y, n0, block, precision, config)
     return y
+
+
+def _block_rows(linear: Linear, precision: str, config: gemm.GemmConfig, copy_bytes: int = COPY_BYTES,
+                min_block_tiles: Optional[int] = None) -> int:
+    """How many of W's rows run_in_blocks gives each launch."""
+    m, k = (hint(s) for s in linear.x.shape)
+    if min_block_tiles is None:
+        min_block_tiles = BLOCK_WAVES * gemm.sm_count(linear.x.device)
+    row_tiles = -(-m // config.block_m)
+    return max(_rows_within(copy_bytes, precision, linear.weight, k, config.block_n),
+               -(-min_block_tiles // row_tiles) * config.block_n)
+
+
+def _copy_past_limit(call: LinearCall, precision: str, config: gemm.GemmConfig) -> Optional[str]:
+    """Why the call's tf32 split would copy more than SPLIT_COPY_LIMIT at once, or None: x split whole,
+    or a block of W's rows. Compared on the call's own sizes: traced with a symbolic batch, the graph
+    guards on the comparison, and a batch past the limit compiles (once) a graph on cuBLAS."""
+    x, weight = call.x, call.weight
+    if precision == "split_x":
+        split_rows = x.shape[0]
+    elif precision == "split_w":
+        split_rows = min(weight.shape[0], _block_rows(Linear(x, weight, None), precision, config))
+    else:
+        return None
+    padded_k = (x.shape[1] + gemm.SPLIT_ROW_ALIGNMENT - 1) // gemm.SPLIT_ROW_ALIGNMENT * gemm.SPLIT_ROW_ALIGNMENT
+    copy_bytes = 2 * split_rows * padded_k * x.element_size()
+    if copy_bytes > SPLIT_COPY_LIMIT:
+        return f"its {precision} copies would take {hint(copy_bytes) >> 20} MiB, past {SPLIT_COPY_LIMIT >> 20} MiB"
+    return None
 
 
 def _rows_within(copy_bytes: int, precision: str, weight: Tensor, k: int, block_n: int) -> int:

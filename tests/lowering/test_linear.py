@@ -67,6 +67,40 @@ def test_blocks_of_w_bound_its_copies_and_change_no_bit(layout, precision, block
     assert launched == ([64, 6] if blocks != [70] else [70])
 
 
+@pytest.mark.parametrize("layout, precision", [("grad_weight", "split_w"), ("forward", "split_x")])
+def test_a_split_copy_past_the_limit_leaves_the_call_to_cublas(layout, precision, monkeypatch):
+    """A split whose copies would pass SPLIT_COPY_LIMIT (a weight gradient's block of a batch-sized
+    operand; x split whole) cannot run on the Triton GEMM: the op runs it on cuBLAS, and the tuner is not
+    offered it. At the limit it still can."""
+    a, b = _operands(layout, 37, 24, 70, seed=5)
+    call = linear.LinearCall(a, b, None, "tf32x3", "auto")
+    impl = linear.LinearImplementation(precision, SMALL)
+    blocked = min(70, linear._block_rows(gemm.Linear(a, b, None), precision, SMALL))
+    split_rows = 37 if precision == "split_x" else blocked
+    copy_bytes = 2 * split_rows * 32 * 4  # 24 columns, padded to 32
+    monkeypatch.setattr(linear, "SPLIT_COPY_LIMIT", copy_bytes)
+    assert impl.unlaunchable(call) is None
+    monkeypatch.setattr(linear, "SPLIT_COPY_LIMIT", copy_bytes - 1)
+    assert "copies would take" in impl.unlaunchable(call)
+    offered = lambda: {c.precision for c in linear.candidates(call, linear.problem(call, False), False).values()}  # noqa: E731
+    monkeypatch.setattr(linear, "SPLIT_COPY_LIMIT", 1 << 40)
+    assert offered() & set(gemm.PRE_SPLIT)
+    monkeypatch.setattr(linear, "SPLIT_COPY_LIMIT", 0)
+    assert offered() == {"tf32x3"}  # cuBLAS at the call's precision (and 3xTF32 split in registers)
+
+
+@pytest.mark.parametrize("batch, features, within", [(16384, 4096, True), (1024, 8192, True), (4096, 4096, True),
+                                                     (16400, 4096, False), (262144, 1024, False)])
+def test_the_seed_problems_weight_gradients_split_within_the_limit(batch, features, within, monkeypatch):
+    """On an H100's 132 SMs the seed problems' weight gradients (the largest: 16384 rows of 4096 features,
+    512 MiB) keep their pre-split GEMM; a batch past it, or a large one, does not."""
+    monkeypatch.setattr(gemm, "sm_count", lambda device: 132)
+    g, x = torch.empty(batch, features, device="meta"), torch.empty(batch, features, device="meta")
+    call = linear.LinearCall(g.t(), x.t(), None, "tf32x3", "auto")
+    config = gemm.gemm_configs("split_w", torch.float32)[0]
+    assert (linear._copy_past_limit(call, "split_w", config) is None) == within
+
+
 def _candidates(a, b, traced, fp32_matmul="tf32x3", gemm_option="auto"):
     call = linear.LinearCall(a, b, None, fp32_matmul, gemm_option)
     return linear.candidates(call, linear.problem(call, traced), traced)
