@@ -20,12 +20,11 @@ from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Scale, 
 
 
 def setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    """Saves, per step of the chain: the head's x and W (dW and dX need them; they are the model's
-    input and parameter, held anyway); the linear output y, once, with the per-feature mean and invstd:
-    the normalized value, the batch norm's output and the tail's values are rebuilt from them in the
-    backward's own pass, never saved; the scale, gamma, beta and the tail's tensor operands (the
-    model's); and with softmax its output, the probabilities, whose rebuild would cost a second exp
-    pass."""
+    """Saves, per step of the chain: the head's x and W (dW needs x, dX needs W); the linear output y,
+    once, with the per-feature mean and invstd: the normalized value, the batch norm's output and the
+    tail's values are rebuilt from them in the backward's own pass, never saved; the scale, gamma, beta
+    and the tail's tensor operands; and with softmax its output, the probabilities, whose rebuild would
+    cost a second exp pass."""
     args = unflatten(inputs)
     outputs = ChainOutputs(*output)
     ctx.mark_non_differentiable(outputs.new_running_mean, outputs.new_running_var, outputs.linear_out,
