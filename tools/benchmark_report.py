@@ -714,6 +714,12 @@ SHAPE_CHANGES_INTRO = (
     "time (the median of five more steps).")
 
 
+def command_size(source: Source) -> str:
+    """The N,K,F of the bench command's --size, or "default"."""
+    command = source.env["command"]
+    return command.split("--size ")[1].split()[0] if "--size " in command else "default"
+
+
 def shape_changes_tables(sources: list[Source]) -> Optional[str]:
     parts = []
     for source in sources:
@@ -724,7 +730,7 @@ def shape_changes_tables(sources: list[Source]) -> Optional[str]:
                     for i, batch in enumerate(sequence)]
             rows.append(["", "total", *(f"{sum(r['steps']):.2f}" for r in results)])
             rows.append(["", "compile+tune", *(f"{r['compile_and_tune']:.2f}" for r in results)])
-            parts += [f"{run['problem']} at {source.env['command'].split('--size ')[1].split()[0]}, {run['mode']}, "
+            parts += [f"{run['problem']} at {command_size(source)}, {run['mode']}, "
                       f"{run['precision']} ({source.env['device']}, {source.env['date'][:10]}, "
                       f"`{shown_path(source.path)}`):", "", markdown(rows, ["step", "batch", *columns]), ""]
     return "\n".join(parts).rstrip() or None
@@ -741,14 +747,13 @@ LARGEST_BATCH_INTRO = (
 def largest_batch_table(sources: list[Source]) -> Optional[str]:
     rows = []
     for source in sources:
-        size = source.env["command"].split("--size ")[1].split()[0] if "--size " in source.env["command"] else "default"
         for run in source.payload[LARGEST_BATCH_KEY]:
             found = {r["provider"]: r for r in run["results"]}
             cells = [f"{found[p]['largest_batch']}" + (" (limit)" if found[p]["limit_reached"] else "")
                      if p in found else "-" for p in ("eager", "inductor", "fusepass")]
             ratio = (f"{found['fusepass']['largest_batch'] / found['inductor']['largest_batch']:.2f}×"
                      if {"fusepass", "inductor"} <= found.keys() and found["inductor"]["largest_batch"] else "-")
-            rows.append([run["problem"], size, run["precision"], *cells, ratio, source.env["device"],
+            rows.append([run["problem"], command_size(source), run["precision"], *cells, ratio, source.env["device"],
                          f"`{shown_path(source.path)}`"])
     return markdown(rows, ["problem", "size", "precision", "eager", "Inductor", "fusepass", "vs Inductor", "GPU",
                            "file"]) if rows else None
