@@ -561,9 +561,8 @@ def test_autocast_weight_is_cast_into_one_buffer(training, _):
     assert forward.count("empty_strided_cuda((48, 32), (32, 1), torch.bfloat16)") == 1
 
 
-@pytest.mark.parametrize("gemm, kernels", [
-    ("triton", ["_tf32_split_kernel", "_gemm_kernel", "normalize_softmax_kernel"]),  # 3xTF32 with x split
-    ("cublas", ["normalize_softmax_kernel"])])
+@pytest.mark.parametrize("gemm, kernels", [("triton", ["_gemm_kernel", "normalize_softmax_kernel"]),
+                                           ("cublas", ["normalize_softmax_kernel"])])
 @pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY)], ids=["cuda"])
 def test_traced_softmax_chain_launches_only_its_own_kernels(gemm, kernels, _):
     """Eval without grad, fp32: Inductor launches the op's kernels (and cuBLAS) and nothing else: no copy

@@ -9,12 +9,13 @@ Epilogues (EPILOGUE):
                        only if the backward needs it).
 In eval mode the first row of programs also writes the per-feature mean and invstd the op returns.
 
-fp32 precisions (PRECISION): TF32 (what eager does when TF32 is allowed), TF32X3 (Triton's three-pass split:
-fp32-accurate on tensor cores), SPLIT_W (the same three passes with W split into tf32 hi + lo once, in memory, so the
-main loop splits only the x tile) and SPLIT_X (x split in memory instead, for problems whose x is much smaller than W;
-the main loop splits the W tile, which it makes the dot's first operand, so that the split halves feed the tensor
-cores from registers, and accumulates y's tile transposed). Plain fp32 FMA is left to cuBLAS: a Triton FMA GEMM
-measured 2.7x eager's error in a gradient. bf16/fp16 inputs use the NATIVE dot, fp32 accumulation.
+fp32 precisions (PRECISION): TF32 (what eager does when TF32 is allowed), TF32X3 (Triton's three-pass
+split: fp32-accurate on tensor cores), SPLIT_W (the same three passes with W split into tf32 hi + lo
+once, in memory, so the main loop splits only the x tile) and SPLIT_X (x split in memory instead, for
+problems whose x is much smaller than W; the main loop splits the W tile, which it makes the dot's
+first operand, so that the split halves feed the tensor cores from registers, and accumulates y's tile
+transposed). Plain fp32 FMA is left to cuBLAS: a Triton FMA GEMM measured 2.7x eager's error in a
+gradient. bf16/fp16 inputs use the NATIVE dot, fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -125,17 +126,11 @@ def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) 
 
 
 @triton.jit
-def tf32_round(a):
-    """a rounded to tf32's 10 mantissa bits (nearest, ties away from zero); -8192 == 0xFFFFE000."""
-    return ((a.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def tf32_split(a):
-    """a ~ hi + lo, both rounded to tf32 (within 2^-22 |a| of a): tensor cores would truncate lo's 13
-    significant bits to 10, doubling the largest error term of the three products."""
-    hi = tf32_round(a)
-    return hi, tf32_round(a - hi)
+    """a = hi + lo exactly, hi rounded to tf32's 10 mantissa bits (nearest, ties away from zero)."""
+    bits = a.to(tl.int32, bitcast=True)
+    hi = ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)  # -8192 == 0xFFFFE000
+    return hi, a - hi
 
 
 @triton.jit(do_not_specialize=["rows", "cols"])
@@ -162,7 +157,9 @@ def _dot(a, b, lo, acc, PRECISION: tl.constexpr):
     if PRECISION == TF32:
         # Tensor cores truncate fp32 operands to tf32; rounding them to nearest first, as cuBLAS does,
         # avoids a bias that grows with K (measured on an H200: 2.5x cuBLAS tf32's error in a gradient).
-        acc = tl.dot(tf32_round(a), tf32_round(b), acc, input_precision="tf32")
+        a_hi, _ = tf32_split(a)
+        b_hi, _ = tf32_split(b)
+        acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
     elif PRECISION == TF32X3:
         acc = tl.dot(a, b, acc, input_precision="tf32x3")
     elif PRECISION == SPLIT_W:
@@ -322,12 +319,13 @@ def _gemm_kernel(
 
 
 def split_tf32(t: Tensor) -> tuple[Tensor, Tensor]:
-    """(hi, lo) = tf32_split(t), from a 2-D t of any strides: in row-major buffers of t's rows and its
-    columns rounded up to SPLIT_ROW_ALIGNMENT, whose first columns hold the halves. A weight gradient's
-    split operand has the batch as its columns; padded, its row stride is divisible by 16 for every
-    batch size, so the GEMM reading it compiles once and loads it vectorized. The buffers are returned
-    whole, not as views of t's width: a view's contiguity check on a symbolic batch would guard on
-    batch % 16 and recompile the graph when it changes (seen on an H100)."""
+    """(hi, lo) with t == hi + lo exactly and hi representable in tf32, from a 2-D t of any strides: in
+    row-major buffers of t's rows and its columns rounded up to SPLIT_ROW_ALIGNMENT, whose first
+    columns hold the halves (`hi[:, :cols] + lo[:, :cols] == t`). A weight gradient's split operand has
+    the batch as its columns; padded, its row stride is divisible by 16 for every batch size, so the GEMM
+    reading it compiles once and loads it vectorized. The buffers are returned whole, not as views of
+    t's width: a view's contiguity check on a symbolic batch would guard on batch % 16 and recompile
+    the graph when it changes (seen on an H100)."""
     rows, cols = t.shape
     stride = (cols + SPLIT_ROW_ALIGNMENT - 1) // SPLIT_ROW_ALIGNMENT * SPLIT_ROW_ALIGNMENT
     hi = torch.empty((rows, stride), device=t.device, dtype=t.dtype)
@@ -439,7 +437,8 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
         HAS_GAMMA=bn is not None and bn.weight is not None, HAS_BETA=bn is not None and bn.bias is not None,
         TAIL=pointwise.tail_program(tail.program, tail.tensors),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        USE_TMA=config.tma, num_warps=config.num_warps, num_stages=config.num_stages,
+        USE_TMA=config.tma,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return GemmOutputs(y, out, part_mean if statistics else None, part_m2 if statistics else None, n_parts,
                        config.block_m)
