@@ -10,7 +10,7 @@ the call's exact row count, so that every call of a bucket is offered the same o
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,7 +23,6 @@ from fusepass.lowering.tuning import Problem, bucket
 
 OP_NAME = "fusepass::batch_norm_chain"
 TRITON_GEMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-AnyImplementation = TypeVar("AnyImplementation")  # the chain's or the linear's: a precision and a config
 
 
 def matmul_precision(dtype: torch.dtype, fp32_matmul: str) -> str:
@@ -65,16 +64,6 @@ def pre_split_precision(x_elements: int, weight_elements: int) -> str:
     return "split_x" if x_elements < weight_elements else "split_w"
 
 
-def short_search_split(found: list[AnyImplementation]) -> list[AnyImplementation]:
-    """3xTF32 in the short search (and as the default with tuning off): the pre-split GEMM where it can
-    launch, without the split in registers, which lost 1.7-2.0x to it on every problem of the training-step
-    tuning tables (H200) and is the slowest to compile (2.2-4.0 s for sm_90 against 1.0 s). The full
-    search times both; where no pre-split GEMM can launch the split in registers stays offered."""
-    if tuning.search() == "full" or not any(impl.precision in gemm.PRE_SPLIT and impl.config for impl in found):
-        return found
-    return [impl for impl in found if not (impl.precision == "tf32x3" and impl.config)]
-
-
 def cublas_traceable(precision: str) -> bool:
     """A traced F.linear becomes Inductor's matmul, which follows torch's global TF32 flag when it runs:
     right only where that flag already gives the precision asked for."""
@@ -113,11 +102,10 @@ def _gemm_choice(args: ChainArgs) -> str:
 
 def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[str, Implementation]:
     """Every way to run the op for this problem that the tuner's search times (tuning.search: the short
-    search takes each precision's gemm.shortlist, and short_search_split), by name, the default first;
-    only those that can launch for this call (Implementation.unlaunchable). Plain fp32 FMA ("ieee") is
-    cuBLAS's alone, whatever the gemm option says. TMA tile configs are offered where the call is not
-    traced. `traced`: only those that can run inside Inductor's graph (may be none; see
-    cublas_traceable)."""
+    search takes each precision's gemm.shortlist), by name, the default first; only those that can launch
+    for this call (Implementation.unlaunchable). Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever the
+    gemm option says. TMA tile configs are offered where the call is not traced. `traced`: only those
+    that can run inside Inductor's graph (may be none; see cublas_traceable)."""
     x = args.linear.x
     (rows,), in_features, out_features = problem.sizes, hint(x.shape[1]), hint(args.n_features)
     precision = matmul_precision(x.dtype, args.kernel.fp32_matmul)
@@ -135,8 +123,7 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
             found[impl.name] = impl
     if (choice in ("auto", "cublas") or not found) and (not traced or cublas_traceable(precision)):
         found["cublas"] = Implementation(precision)
-    launchable = [impl for impl in found.values() if impl.unlaunchable(args) is None]
-    return {impl.name: impl for impl in short_search_split(launchable)}
+    return {name: impl for name, impl in found.items() if impl.unlaunchable(args) is None}
 
 
 def stand_ins(args: ChainArgs) -> ChainArgs:

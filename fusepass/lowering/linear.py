@@ -22,7 +22,7 @@ from torch import Tensor
 
 from fusepass.lowering import gemm, limits, tuning
 from fusepass.lowering.choice import (cublas_traceable, gemm_option, matmul_precision, pre_split_precision,
-                                      short_search_split, triton_configs)
+                                      triton_configs)
 from fusepass.lowering.implementations import cublas_precision
 from fusepass.lowering.launch import hint
 from fusepass.lowering.schema import KernelOptions, Linear
@@ -208,11 +208,10 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
     where it can launch for these operands (limits.py), and cuBLAS at the same precision where it can
     run traced. Never empty untraced: cuBLAS always runs.
 
-    3xTF32 in the short search: choice.short_search_split. Operands whose K is not contiguous (a
-    backward's transposed views) start with the pre-split 3xTF32, which reads the split operand K-major
-    from memory: 88-102 TFLOP/s on an H100 where 3xTF32 split in registers made 39 (tools/tune_linear.py
-    at 1024 x 8192 -> 8192 and 16384 x 4096 -> 4096). The full search also times that, and the GEMM on
-    K-major copies of the operands."""
+    Operands whose K is not contiguous (a backward's transposed views) start with the pre-split 3xTF32,
+    which reads the split operand K-major from memory: 88-102 TFLOP/s on an H100 where 3xTF32 split in
+    registers made 39 (tools/tune_linear.py at 1024 x 8192 -> 8192 and 16384 x 4096 -> 4096). The full
+    search also times that, and the GEMM on K-major copies of the operands."""
     x, weight = call.x, call.weight
     m, k, n = _gemm_sizes(call, problem)
     precision = _precision(call)
@@ -229,7 +228,7 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
                   triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
         if not k_major and search == "full":
             found.append(LinearImplementation(precision, gemm.gemm_configs(precision, x.dtype)[0], True))
-        found = short_search_split([impl for impl in found if impl.unlaunchable(call) is None])
+        found = [impl for impl in found if impl.unlaunchable(call) is None]
     if gemm_choice in ("auto", "cublas") or not found:
         if not traced or cublas_traceable(precision):
             found.append(LinearImplementation(precision))

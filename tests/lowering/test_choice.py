@@ -19,11 +19,6 @@ def candidates(args, traced=False):
     return choice.candidates(args, choice.problem(args, traced), traced)
 
 
-def kinds(found):
-    """The candidates' GEMMs: a Triton precision, or cuBLAS."""
-    return {impl.precision if impl.config else "cublas" for impl in found.values()}
-
-
 def test_matmul_precision_follows_torch_tf32_flag():
     assert choice.matmul_precision(torch.bfloat16, "tf32x3") == "native"
     allowed = torch.backends.cuda.matmul.allow_tf32
@@ -43,10 +38,11 @@ def test_candidates_per_choice():
     x = args.linear.x
     square = with_operands(args, x, x)
     auto = candidates(square)
-    assert "cublas" in auto and any(name.startswith("triton split_w") for name in auto)  # x as large as W: W is split
+    assert "cublas" in auto and any(name.startswith("triton tf32x3") for name in auto)
+    assert any(name.startswith("triton split_w") for name in auto)  # x as large as W: W is split
     wide = make_args(8, 16, 32).linear.weight  # W larger than x: x is split, in memory
     names = candidates(with_operands(args, x, wide, "triton"))
-    assert {name.split()[1] for name in names} == {"split_x"}
+    assert {name.split()[1] for name in names} == {"tf32x3", "split_x"}
     assert list(candidates(with_operands(args, x, x, "cublas"))) == ["cublas"]
     assert list(candidates(with_operands(args, x, x, "triton", fp32_matmul="ieee"))) == ["cublas"]
     assert any(name.endswith(" tma") for name in auto)  # 16 fp32 per row: 16-byte aligned rows
@@ -59,20 +55,6 @@ def test_candidates_per_choice():
     assert candidates(with_operands(meta, huge, huge)) == {}
     wide = torch.empty(2**16 + 1, 2**15, device="meta"), torch.empty(2**10, 2**15, device="meta")
     assert list(candidates(with_operands(meta, *wide))) == ["cublas"]  # the GEMM's x alone
-
-
-def test_the_short_search_splits_3xtf32_in_memory_where_it_can(monkeypatch):
-    """The split in registers is timed by the full search, and offered by the short one only where no
-    pre-split GEMM can launch (here: W's copy would need too many column blocks)."""
-    args = make_args(8, 16, 4)
-    square = with_operands(args, args.linear.x, args.linear.x)
-    assert not any(name.startswith("triton tf32x3") for name in candidates(square))
-    monkeypatch.setenv("FUSEPASS_TUNE", "full")
-    assert kinds(candidates(square)) == {"tf32x3", "split_w", "cublas"}
-    monkeypatch.setenv("FUSEPASS_TUNE", "1")
-    meta = make_args(8, 16, 4, device="meta")
-    x, weight = torch.empty(8, 2**23, device="meta"), torch.empty(4, 2**23, device="meta")
-    assert kinds(candidates(with_operands(meta, x, weight))) == {"tf32x3", "cublas"}
 
 
 def test_tf32_triton_only_offers_no_cublas():
@@ -108,10 +90,8 @@ def test_candidates_are_the_same_for_every_call_of_a_bucket():
     assert list(candidates(small)) == list(candidates(large))
 
 
-def test_every_candidate_computes_the_op(monkeypatch):
-    """What the tuner may choose among (its full search): each candidate's result is no further from
-    float64 than eager."""
-    monkeypatch.setenv("FUSEPASS_TUNE", "full")
+def test_every_candidate_computes_the_op():
+    """What the tuner may choose among: each candidate's result is no further from float64 than eager."""
     for training in (True, False):
         args = make_args(33, 16, 20, training=training, save_linear_out=True)
         for name, run in candidates(args).items():
@@ -123,7 +103,7 @@ def test_choice_is_remembered_per_problem(monkeypatch):
     monkeypatch.setattr(op.CHAIN, "_chosen", {})
     args = make_args(12, 16, 8)
     chosen = op.CHAIN.choose(args, traced=False)
-    assert chosen == Implementation("split_w", gemm.gemm_configs("split_w", torch.float32)[0])
+    assert chosen == Implementation("tf32x3", gemm.gemm_configs("tf32x3", torch.float32)[0])
     assert list(op.CHAIN._chosen) == [(choice.problem(args, False), False)]
     assert op.CHAIN.choose(make_args(10, 16, 8), traced=False) is chosen  # the same bucket
     op.CHAIN.choose(dataclasses.replace(args, kernel=KernelOptions(gemm="cublas")), traced=False)

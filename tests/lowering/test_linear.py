@@ -119,10 +119,9 @@ def test_candidates(traced, search, monkeypatch):
     assert any(n.startswith("triton tf32x3") for n in names) == full
     assert any(n.endswith("on K-major copies") for n in names) == full
     forward = list(_candidates(*_operands("forward", 64, 64, 64, seed=0), traced))
-    assert forward[0].startswith("triton tf32x3 " if full else "triton split_")
-    assert any(n.startswith("triton split_") for n in forward)
+    assert forward[0].startswith("triton tf32x3 ") and any(n.startswith("triton split_") for n in forward)
     assert not any(n.endswith("on K-major copies") for n in forward)
-    assert any(n.startswith("triton tf32x3") for n in forward) == full
+    assert len(forward) > len(names) - full * 2
     assert list(_candidates(a, b, traced, fp32_matmul="ieee")) == ["cublas"]
     assert list(_candidates(a, b, traced, gemm_option="cublas")) == ["cublas"]
     assert "cublas" not in _candidates(a, b, traced, gemm_option="triton")
