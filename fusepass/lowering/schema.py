@@ -13,6 +13,7 @@ The op itself takes the groups flattened, in field order (`flatten` / `unflatten
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import typing
 from dataclasses import dataclass
@@ -140,9 +141,12 @@ class ChainOutputs(NamedTuple):
 # --------------------------------------------------------------------------- flattening
 
 
-def _fields(cls) -> list[tuple[str, Any]]:
+@functools.cache
+def _fields(cls) -> tuple[tuple[str, Any], ...]:
+    """(name, type) of a dataclass's fields. Cached: get_type_hints evaluates the annotations' text, which
+    took 0.2 ms per bind of the op's arguments (measured on a 2-core CPU; each opaque call binds them)."""
     hints = typing.get_type_hints(cls)
-    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
 
 
 def flat_fields(cls=ChainArgs, prefix: str = "") -> list[tuple[str, Any]]:
