@@ -254,7 +254,10 @@ def gpu_time(run: Callable[[], Any]) -> float:
     try:
         flushed = triton.testing.do_bench_cudagraph(lambda: (cache.zero_(), run()), rep=TIMING_MS,
                                                     return_mode="median")
-        return max(flushed - _flush_ms(cache), 0.0)
+        ms = flushed - _flush_ms(cache)
+        if ms <= 0:  # the flush was timed while the GPU was busier than now (seen under 8 test workers)
+            ms = flushed - _flush_ms(cache, again=True)
+        return max(ms, 0.0)
     except Exception as exc:  # noqa: BLE001  (not capturable: time it from Python, which flushes too)
         log.info("fusepass tuning: CUDA-graph timing failed (%r); timing from Python", exc)
         return launched_time(run)
@@ -270,10 +273,12 @@ def launched_time(run: Callable[[], Any]) -> float:
 _FLUSH_MS: dict[tuple, float] = {}
 
 
-def _flush_ms(cache: torch.Tensor) -> float:
+def _flush_ms(cache: torch.Tensor, again: bool = False) -> float:
+    """The flush's own time, the least taken so far: another process's load on the GPU only adds."""
     key = (cache.device, cache.numel())
-    if key not in _FLUSH_MS:
-        _FLUSH_MS[key] = triton.testing.do_bench_cudagraph(cache.zero_, rep=TIMING_MS, return_mode="median")
+    if again or key not in _FLUSH_MS:
+        ms = triton.testing.do_bench_cudagraph(cache.zero_, rep=TIMING_MS, return_mode="median")
+        _FLUSH_MS[key] = min(ms, _FLUSH_MS.get(key, ms))
     return _FLUSH_MS[key]
 
 
