@@ -163,10 +163,17 @@ def flat_fields(cls=ChainArgs, prefix: str = "") -> list[tuple[str, Any]]:
 def flatten(args: ChainArgs) -> tuple:
     """The op's positional arguments for `args` (tensors, numbers, or FX nodes standing for them)."""
     values = []
-    for f in dataclasses.fields(args):
-        value = getattr(args, f.name)
-        values += flatten(value) if dataclasses.is_dataclass(value) else [value]
+    for name, group in _groups(type(args)):
+        value = getattr(args, name)
+        values += flatten(value) if group and dataclasses.is_dataclass(value) else [value]
     return tuple(values)
+
+
+@functools.cache
+def _groups(cls) -> tuple[tuple[str, bool], ...]:
+    """(name, whether it is a group of fields) of each field of `cls`. Flatten runs at every opaque call,
+    twice while choosing: asking each value instead took 11 us a flatten, against 3 (2-core CPU)."""
+    return tuple((name, dataclasses.is_dataclass(hint)) for name, hint in _fields(cls))
 
 
 def unflatten(values, cls=ChainArgs):
