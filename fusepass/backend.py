@@ -44,7 +44,6 @@ from fusepass.options import FusepassFallbackWarning, Options
 from fusepass.rewrite import apply, copy_graph_module
 
 log = logging.getLogger(__name__)
-stats = counters["fusepass"]  # "graphs", "rewrites", "linears", "unfused", "fallbacks": see the module docstring
 # Debug directories whose dump failed and has been warned about (once per directory and process).
 _failed_dump_dirs: set[str] = set()
 
@@ -54,7 +53,7 @@ _failed_dump_dirs: set[str] = set()
 def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] = None,
                      options: Optional[dict[str, Any]] = None) -> Callable:
     compiled = _compile(gm, example_inputs, Options.parse(mode, options))
-    stats["graphs"] += 1  # once the graph is done with: not a graph Dynamo asked to trace again
+    stats()["graphs"] += 1  # once the graph is done with: not a graph Dynamo asked to trace again
     return compiled
 
 
@@ -82,10 +81,10 @@ def _compile(gm: GraphModule, example_inputs: list, opts: Options) -> Callable:
     except Exception as exc:  # never break the user's model: compile it without fused ops
         return _fall_back(original, example_inputs, opts, f"rewriting or compiling failed: {exc!r}")
     counted = _count_by_family(matches)
-    stats.update(counted)
+    stats().update(counted)
     unfused = sum(miss.reason.startswith(timing.LEFT_TO_INDUCTOR) for miss in misses)
     if unfused:
-        stats["unfused"] += unfused
+        stats()["unfused"] += unfused
     if not matches:  # nothing of fusepass's in this graph: plain Inductor, its errors its own
         return compile_fx(gm, example_inputs, config_patches=opts.inductor_patches)
     contexts = _compile_contexts()
@@ -112,6 +111,12 @@ def _compile_contexts() -> Callable[[], contextlib.AbstractContextManager]:
     return contexts
 
 
+def stats() -> Counter:
+    """counters["fusepass"] ("graphs", "rewrites", "linears", "unfused", "fallbacks": see the module
+    docstring), looked up at each count: `counters.clear()`, PyTorch's usual reset, replaces it."""
+    return counters["fusepass"]
+
+
 def _count_by_family(matches: list) -> Counter:
     return Counter(match.family.counter for match in matches)
 
@@ -131,8 +136,8 @@ def _debug_dump(debug_dir: str, before: GraphModule, after: GraphModule, report:
 
 def _fall_back(original: GraphModule, example_inputs: list, opts: Options, why: str,
                not_used: Optional[Counter] = None) -> Callable:
-    stats["fallbacks"] += 1
-    stats.subtract(not_used or Counter())
+    stats()["fallbacks"] += 1
+    stats().subtract(not_used or Counter())
     warnings.warn(f"fusepass: {why}; this graph falls back to {opts.fallback}", FusepassFallbackWarning,
                   stacklevel=2)
     if opts.fallback == "eager":

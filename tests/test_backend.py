@@ -129,6 +129,16 @@ def test_autocast(scale, dtype, device):
     run_train_then_eval(ChainModel(scale=scale), device, autocast_dtype=dtype)
     assert_fused(rewrites=2, graphs=2)
 
+def test_counts_reach_counters_after_it_is_cleared():
+    """counters.clear() (PyTorch's own reset of Dynamo's counters) replaces counters["fusepass"]: the
+    backend counts into the new one, not the one it saw at import."""
+    counters.clear()
+    torch.manual_seed(3)
+    compiled = torch.compile(ChainModel(12, 20), backend="fusepass")
+    compiled(make_input(16, 12, "cpu")).sum().backward()
+    assert_fused(rewrites=1, graphs=1)
+
+
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_changing_batch_size(device):
