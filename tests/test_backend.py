@@ -129,6 +129,46 @@ def test_autocast(scale, dtype, device):
     run_train_then_eval(ChainModel(scale=scale), device, autocast_dtype=dtype)
     assert_fused(rewrites=2, graphs=2)
 
+
+def test_operands_of_two_dtypes_get_eager_error_outside_autocast():
+    """A bf16 model given fp32 input: eager's linear raises, and so does the compiled model (the chain is
+    left alone: the fused op would cast its operands, as autocast does)."""
+    torch.manual_seed(5)
+    model = ChainModel(12, 20).bfloat16()
+    x = make_input(16, 12, "cpu")
+    with pytest.raises(RuntimeError) as eager_error:
+        model(x)
+    with pytest.raises(RuntimeError, match=re.escape(str(eager_error.value).splitlines()[0])):
+        torch.compile(model, backend="fusepass")(x)
+    assert_fused(rewrites=0)
+
+
+class AutocastInside(torch.nn.Module):
+    """A chain under an autocast region of its own forward (Dynamo keeps the region in the graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.chain = ChainModel(12, 20)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.chain(x)
+
+
+@pytest.mark.parametrize("region", ["in the graph", "around the call"])
+def test_operands_of_two_dtypes_are_fused_under_autocast(region):
+    """bf16 x and fp32 W: autocast casts W, and so does the fused op, in the graph's autocast region or
+    one entered around the compiled call."""
+    torch.manual_seed(6)
+    model = AutocastInside() if region == "in the graph" else ChainModel(12, 20)
+    x = make_input(16, 12, "cpu").bfloat16()
+    compiled = torch.compile(copy.deepcopy(model), backend="fusepass")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=region == "around the call"):
+        expected, fused = model(x), compiled(x)
+    assert_fused(rewrites=1)
+    torch.testing.assert_close(fused, expected, atol=2e-2, rtol=2e-2)
+
+
 def test_counts_reach_counters_after_it_is_cleared():
     """counters.clear() (PyTorch's own reset of Dynamo's counters) replaces counters["fusepass"]: the
     backend counts into the new one, not the one it saw at import."""

@@ -64,7 +64,38 @@ def parse_linear(node: Node) -> list[tuple[LinearArgs, Optional[Node]]]:
     args = bind_arguments(node, ("input", "weight", "bias"), {"bias": None})
     check_tensor(args["input"], "linear input", ndim=2)
     check_tensor(node, "linear output", ndim=2)
-    return [(LinearArgs(args["input"], args["weight"], args["bias"]), None)]
+    linear = LinearArgs(args["input"], args["weight"], args["bias"])
+    check_operand_dtypes(node, linear)
+    return [(linear, None)]
+
+
+def check_operand_dtypes(node: Node, args: LinearArgs) -> None:
+    """Outside autocast, eager's linear and matmul refuse operands of different dtypes; the fused op casts
+    them to the linear's dtype as autocast would, so such a call is left to eager's error."""
+    dtypes = {meta_value(n).dtype for n in (args.x, args.weight, args.bias) if isinstance(meta_value(n), torch.Tensor)}
+    if len(dtypes) > 1 and not under_autocast(node):
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise NoMatch(f"`{node.name}` multiplies {names} operands outside autocast: eager raises, and so will it")
+
+
+def under_autocast(node: Node) -> bool:
+    """Whether autocast is on for the node's device where it runs: entered around the compiled code
+    (Dynamo guards on that, so it holds while compiling), or by an autocast region in the graph."""
+    device = meta_value(node).device.type
+    if torch.is_autocast_enabled(device):
+        return True
+    closed = 0
+    previous = node.prev
+    while previous.op != "root":  # back to the innermost region still open at the node
+        if is_call(previous, (torch.amp.autocast_mode._exit_autocast,)):
+            closed += 1
+        elif is_call(previous, (torch.amp.autocast_mode._enter_autocast,)):
+            if closed:
+                closed -= 1
+            elif previous.args[0] == device:
+                return bool(previous.args[2])
+        previous = previous.prev
+    return False
 
 
 def parse_head(node: Node) -> list[tuple[LinearArgs, Optional[Node]]]:
@@ -75,4 +106,6 @@ def parse_head(node: Node) -> list[tuple[LinearArgs, Optional[Node]]]:
     check_tensor(args["input"], "matmul input", ndim=2)
     check_tensor(args["other"], "matmul weight", ndim=2)
     check_tensor(node, "matmul output", ndim=2)
-    return [(LinearArgs(args["input"], args["other"], None, weight_in_out=True), None)]
+    head = LinearArgs(args["input"], args["other"], None, weight_in_out=True)
+    check_operand_dtypes(node, head)
+    return [(head, None)]
