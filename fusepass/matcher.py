@@ -22,6 +22,18 @@ class NoMatch(Exception):
     """A node does not fit a step; the message is the reason shown in explain()."""
 
 
+# What Dynamo writes into a graph where grad mode, inference mode or autocast change: the nodes after
+# it run in another mode. A chain must not cross one: its op runs every step in one mode. (Private
+# functions, looked up by name: a torch version may lack one.)
+MODE_CHANGES = tuple(f for f in (
+    torch._C._set_grad_enabled,
+    getattr(torch.autograd.grad_mode, "_enter_inference_mode", None),
+    getattr(torch.autograd.grad_mode, "_exit_inference_mode", None),
+    getattr(torch.amp.autocast_mode, "_enter_autocast", None),
+    getattr(torch.amp.autocast_mode, "_exit_autocast", None),
+) if f is not None)
+
+
 def meta_value(node: Any) -> Any:
     """The fake tensor (or SymInt) Dynamo recorded for a node; None for non-nodes."""
     if not isinstance(node, Node):
@@ -237,7 +249,21 @@ def _match_anchor(family: ChainFamily, anchor: Node) -> Union[tuple[Match, list[
     steps = [(step, (node,), args) for step, node, args in head] + [(family.anchor, (anchor,), anchor_args), *tail]
     match = Match(family=family, nodes=tuple(n for _, nodes, _ in steps for n in nodes),
                   steps=tuple(s for s, _, _ in steps), args={s.key: a for s, _, a in steps})
+    change = _mode_change_within(match.nodes)
+    if change is not None:
+        return _Failure(f"`{change.name}` changes grad mode or autocast between the chain's steps",
+                        len(match.nodes), match.nodes)
     return match, left_out
+
+
+def _mode_change_within(nodes: tuple[Node, ...]) -> Optional[Node]:
+    """The first node of MODE_CHANGES in graph order between the first and the last of `nodes`."""
+    node = nodes[0]
+    while node is not nodes[-1]:
+        node = node.next
+        if is_call(node, MODE_CHANGES):
+            return node
+    return None
 
 
 def find_chains(graph: Graph, families: tuple[ChainFamily, ...]) -> tuple[list[Match], list[Miss]]:

@@ -169,6 +169,35 @@ def test_operands_of_two_dtypes_are_fused_under_autocast(region):
     torch.testing.assert_close(fused, expected, atol=2e-2, rtol=2e-2)
 
 
+class NoGradLinear(torch.nn.Module):
+    """The linear under no_grad, the batch norm after it with gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.chain = ChainModel(12, 20, scale=None)
+
+    def forward(self, x):
+        with torch.no_grad():
+            y = self.chain.linear(x)
+        return self.chain.bn(y)
+
+
+def test_a_chain_across_a_grad_mode_change_is_left_alone():
+    """One op for linear and batch norm would give the linear's parameters gradients that eager does not
+    (an optimizer's weight decay would then move them); explain() says why the chain was not fused."""
+    torch.manual_seed(7)
+    model = NoGradLinear()
+    fused_model = copy.deepcopy(model)
+    x, upstream = make_input(16, 12, "cpu"), torch.randn(16, 20)
+    for m in (model, torch.compile(fused_model, backend="fusepass")):
+        (m(x) * upstream).sum().backward()
+    assert fused_model.chain.linear.weight.grad is None and fused_model.chain.linear.bias.grad is None
+    torch.testing.assert_close(fused_model.chain.bn.weight.grad, model.chain.bn.weight.grad)
+    assert_fused(rewrites=0)
+    report = fusepass.explain(NoGradLinear(), x)
+    assert any("changes grad mode" in miss["reason"] for miss in report.misses), report
+
+
 def test_counts_reach_counters_after_it_is_cleared():
     """counters.clear() (PyTorch's own reset of Dynamo's counters) replaces counters["fusepass"]: the
     backend counts into the new one, not the one it saw at import."""
