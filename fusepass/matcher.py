@@ -10,6 +10,7 @@ is the family's own business.
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
@@ -253,7 +254,55 @@ def _match_anchor(family: ChainFamily, anchor: Node) -> Union[tuple[Match, list[
     if change is not None:
         return _Failure(f"`{change.name}` changes grad mode or autocast between the chain's steps",
                         len(match.nodes), match.nodes)
+    mutation = _input_mutated_within(match.nodes)
+    if mutation is not None:
+        return _Failure(f"`{mutation.name}` changes one of the chain's inputs in place between its steps",
+                        len(match.nodes), match.nodes)
     return match, left_out
+
+
+def _input_mutated_within(nodes: tuple[Node, ...]) -> Optional[Node]:
+    """The first node between the chain's first and last (graph order) that changes in place a tensor the
+    chain reads from outside: the fused op stands at the last node's place and would read the changed
+    value where eager's first steps read the old one."""
+    chain = set(nodes)
+    inputs = {_alias_root(i) for n in nodes for i in n.all_input_nodes if i not in chain}
+    node = nodes[0]
+    while node is not nodes[-1]:
+        node = node.next
+        if node not in chain and _mutated(node) is not None and _alias_root(_mutated(node)) in inputs:
+            return node
+    return None
+
+
+# Views: a result that shares its first argument's storage. `_get_data_attr` is Dynamo's `.data`.
+_VIEW_METHODS = {"view", "view_as", "t", "transpose", "permute", "reshape", "expand", "expand_as", "detach",
+                 "narrow", "select", "squeeze", "unsqueeze", "flatten", "unflatten", "as_strided",
+                 "contiguous", "__getitem__"}
+_VIEW_FUNCTIONS = {torch._C._autograd._get_data_attr, operator.getitem, torch.t, torch.transpose,
+                   torch.permute, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.narrow,
+                   torch.select, torch.detach}
+_IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+                       operator.ixor, operator.ilshift, operator.irshift}
+
+
+def _alias_root(node: Node) -> Node:
+    """The node whose storage `node` views, through view ops and `.data`."""
+    while node.args and isinstance(node.args[0], Node) and (
+            (node.op == "call_method" and node.target in _VIEW_METHODS)
+            or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)):
+        node = node.args[0]
+    return node
+
+
+def _mutated(node: Node) -> Optional[Node]:
+    """The tensor a node changes in place (an `x.add_(...)`, `x[i] = v`, `x += v`, `inplace=True`), or None."""
+    if node.op not in ("call_method", "call_function") or not node.args or not isinstance(node.args[0], Node):
+        return None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    in_place = (name.endswith("_") and not name.startswith("__")) or node.kwargs.get("inplace") is True
+    return node.args[0] if in_place or node.target in _IN_PLACE_OPERATORS else None
 
 
 def _mode_change_within(nodes: tuple[Node, ...]) -> Optional[Node]:

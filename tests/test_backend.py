@@ -198,6 +198,40 @@ def test_a_chain_across_a_grad_mode_change_is_left_alone():
     assert any("changes grad mode" in miss["reason"] for miss in report.misses), report
 
 
+class ChangesInputsBetween(torch.nn.Module):
+    """Changes what the linear read before the batch norm runs: its weight through `.data` (an EMA-like
+    update), or its input through an index assignment."""
+
+    def __init__(self, what):
+        super().__init__()
+        self.chain, self.what = ChainModel(12, 20, scale=None), what
+
+    def forward(self, x):
+        y = self.chain.linear(x)
+        if self.what == "weight":
+            self.chain.linear.weight.data.mul_(0.5)
+        else:
+            x[:, 0] = 0.0
+        return self.chain.bn(y)
+
+
+@pytest.mark.parametrize("what", ["weight", "input"])
+def test_a_chain_whose_input_changes_between_its_steps_is_left_alone(what):
+    """The fused op stands where the batch norm was and would read the changed tensor."""
+    torch.manual_seed(8)
+    model = ChangesInputsBetween(what)
+    fused_model = copy.deepcopy(model)
+    x = make_input(16, 12, "cpu")
+    with torch.no_grad():
+        expected, fused = model(x.clone()), torch.compile(fused_model, backend="fusepass")(x.clone())
+    torch.testing.assert_close(fused, expected)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(fused_model.state_dict()[name], value, msg=name)
+    assert counters["fusepass"]["rewrites"] == 0
+    report = fusepass.explain(ChangesInputsBetween(what), x.clone())
+    assert any("changes one of the chain's inputs in place" in miss["reason"] for miss in report.misses), report
+
+
 def test_counts_reach_counters_after_it_is_cleared():
     """counters.clear() (PyTorch's own reset of Dynamo's counters) replaces counters["fusepass"]: the
     backend counts into the new one, not the one it saw at import."""
