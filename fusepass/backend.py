@@ -89,11 +89,13 @@ def _compile(gm: GraphModule, example_inputs: list, opts: Options) -> Callable:
         return compile_fx(gm, example_inputs, config_patches=opts.inductor_patches)
     contexts = _compile_contexts()
 
-    def fall_back_at_first_call(exc: Exception) -> Callable:
+    def compile_fallback() -> Callable:
         with contexts():
-            return _fall_back(original, example_inputs, opts, f"the fused graph failed on its first call: {exc!r}",
-                              not_used=counted)
-    return _FirstCallGuard(compiled, mutated, fall_back_at_first_call)
+            return _compile_fallback(original, example_inputs, opts)
+
+    def report_fallback(exc: Exception) -> None:
+        _report_fallback(opts, f"the fused graph failed on its first call: {exc!r}", not_used=counted)
+    return _FirstCallGuard(compiled, mutated, compile_fallback, report_fallback)
 
 
 def _compile_contexts() -> Callable[[], contextlib.AbstractContextManager]:
@@ -134,12 +136,19 @@ def _debug_dump(debug_dir: str, before: GraphModule, after: GraphModule, report:
                           "compiling goes on without it", UserWarning, stacklevel=2)
 
 
-def _fall_back(original: GraphModule, example_inputs: list, opts: Options, why: str,
-               not_used: Optional[Counter] = None) -> Callable:
+def _fall_back(original: GraphModule, example_inputs: list, opts: Options, why: str) -> Callable:
+    _report_fallback(opts, why)
+    return _compile_fallback(original, example_inputs, opts)
+
+
+def _report_fallback(opts: Options, why: str, not_used: Optional[Counter] = None) -> None:
     stats()["fallbacks"] += 1
     stats().subtract(not_used or Counter())
     warnings.warn(f"fusepass: {why}; this graph falls back to {opts.fallback}", FusepassFallbackWarning,
-                  stacklevel=2)
+                  stacklevel=3)
+
+
+def _compile_fallback(original: GraphModule, example_inputs: list, opts: Options) -> Callable:
     if opts.fallback == "eager":
         return original.forward
     return compile_fx(original, example_inputs, config_patches=opts.inductor_patches)
@@ -160,14 +169,18 @@ def mutated_input_positions(gm: GraphModule) -> list[int]:
 
 class _FirstCallGuard:
     """Runs the fused graph; if its first call fails (a Triton kernel that does not compile, say),
-    restores the inputs the graph mutates in place and switches this graph to the fallback for good.
-    Running out of memory is the call's failure, not the graph's: eager would fail the same way, so the
-    error is the user's to see (a search for the largest batch catches it), and the fused graph stays."""
+    restores the inputs the graph mutates in place, runs the fallback, and, if that runs, switches this
+    graph to it for good. If the fallback fails on the same inputs too (an index out of range, say), the
+    error is the inputs', not the fused graph's: it is raised and the fused graph stays, as it does when
+    the call runs out of memory (eager would fail the same way; a search for the largest batch catches
+    it)."""
 
-    def __init__(self, compiled: Callable, mutated_positions: list[int],
-                 make_fallback: Callable[[Exception], Callable]):
+    def __init__(self, compiled: Callable, mutated_positions: list[int], compile_fallback: Callable[[], Callable],
+                 report_fallback: Callable[[Exception], None]):
         self._compiled = compiled
-        self._make_fallback = make_fallback
+        self._compile_fallback = compile_fallback
+        self._report_fallback = report_fallback
+        self._fallback: Optional[Callable] = None
         self._mutated_positions = mutated_positions
         self._checked = False
 
@@ -178,15 +191,25 @@ class _FirstCallGuard:
         try:
             result = self._compiled(*args)
         except Exception as exc:
-            with torch.no_grad():
-                for i, value in saved.items():
-                    args[i].copy_(value)
+            _restore(args, saved)
             if isinstance(exc, torch.OutOfMemoryError):
                 raise
-            self._compiled = self._make_fallback(exc)
-            result = self._compiled(*args)
-        self._checked = True
+            self._fallback = self._fallback or self._compile_fallback()
+            try:
+                result = self._fallback(*args)
+            except Exception:
+                _restore(args, saved)
+                raise
+            self._report_fallback(exc)
+            self._compiled = self._fallback
+        self._checked, self._fallback = True, None
         return result
+
+
+def _restore(args: tuple, saved: dict[int, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for i, value in saved.items():
+            args[i].copy_(value)
 
 
 ddp.install()

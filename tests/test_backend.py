@@ -577,6 +577,36 @@ def test_a_symbolic_graph_failing_on_its_first_call_falls_back_for_every_size(mo
     assert fusepass_counts() == {"graphs": 1, "rewrites": 0, "fallbacks": 1}
 
 
+class LookupChain(torch.nn.Module):
+    """An embedding lookup before a chain: an index out of range fails the whole graph, fused or not."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(10, 12)
+        self.chain = ChainModel(12, 20)
+
+    def forward(self, index):
+        return self.chain(self.embedding(index))
+
+
+def test_a_first_call_that_fails_on_its_inputs_is_raised_and_the_fused_graph_kept():
+    """The fallback fails on the same inputs: the inputs' error, raised, the running statistics as they
+    were; no fallback is reported and the next call runs fused."""
+    torch.manual_seed(13)
+    model = LookupChain()
+    eager = copy.deepcopy(model)
+    fast = torch.compile(model, backend="fusepass")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusepassFallbackWarning)
+        with pytest.raises((IndexError, RuntimeError)):
+            fast(torch.tensor([1, 2, 30, 4, 5]))
+        assert torch.equal(model.chain.bn.running_mean, eager.chain.bn.running_mean)
+        assert torch.equal(model.chain.bn.num_batches_tracked, eager.chain.bn.num_batches_tracked)
+        index = torch.tensor([1, 2, 3, 4, 5])
+        torch.testing.assert_close(fast(index), eager(index))
+    assert fusepass_counts() == {"graphs": 1, "rewrites": 1, "fallbacks": 0}
+
+
 def test_running_out_of_memory_on_the_first_call_is_raised_and_the_fused_graph_kept(monkeypatch):
     """Out of memory is the call's failure, not the graph's: raised as eager raises it, the running
     statistics as they were, and the next call runs fused."""
