@@ -26,12 +26,14 @@ class NoMatch(Exception):
 # What Dynamo writes into a graph where grad mode, inference mode or autocast change: the nodes after
 # it run in another mode. A chain must not cross one: its op runs every step in one mode. (Private
 # functions, looked up by name: a torch version may lack one.)
+ENTER_AUTOCAST = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
+EXIT_AUTOCAST = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
 MODE_CHANGES = tuple(f for f in (
     torch._C._set_grad_enabled,
     getattr(torch.autograd.grad_mode, "_enter_inference_mode", None),
     getattr(torch.autograd.grad_mode, "_exit_inference_mode", None),
-    getattr(torch.amp.autocast_mode, "_enter_autocast", None),
-    getattr(torch.amp.autocast_mode, "_exit_autocast", None),
+    ENTER_AUTOCAST,
+    EXIT_AUTOCAST,
 ) if f is not None)
 
 

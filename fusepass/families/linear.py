@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from fusepass.matcher import NoMatch, bind_arguments, is_call, meta_value
+from fusepass.matcher import ENTER_AUTOCAST, EXIT_AUTOCAST, NoMatch, bind_arguments, is_call, meta_value
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -87,9 +87,9 @@ def under_autocast(node: Node) -> bool:
     closed = 0
     previous = node.prev
     while previous.op != "root":  # back to the innermost region still open at the node
-        if is_call(previous, (torch.amp.autocast_mode._exit_autocast,)):
+        if is_call(previous, (EXIT_AUTOCAST,)):
             closed += 1
-        elif is_call(previous, (torch.amp.autocast_mode._enter_autocast,)):
+        elif is_call(previous, (ENTER_AUTOCAST,)):
             if closed:
                 closed -= 1
             elif previous.args[0] == device:
