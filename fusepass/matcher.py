@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch.fx import Graph, Node
@@ -269,12 +269,19 @@ def _input_mutated_within(nodes: tuple[Node, ...]) -> Optional[Node]:
     value where eager's first steps read the old one."""
     chain = set(nodes)
     inputs = {_alias_root(i) for n in nodes for i in n.all_input_nodes if i not in chain}
+    for node in _between(nodes):
+        mutated = _mutated(node) if node not in chain else None
+        if mutated is not None and _alias_root(mutated) in inputs:
+            return node
+    return None
+
+
+def _between(nodes: tuple[Node, ...]) -> Iterator[Node]:
+    """The graph's nodes after the first of `nodes` up to the last, in graph order."""
     node = nodes[0]
     while node is not nodes[-1]:
         node = node.next
-        if node not in chain and _mutated(node) is not None and _alias_root(_mutated(node)) in inputs:
-            return node
-    return None
+        yield node
 
 
 # Views: a result that shares its first argument's storage. `_get_data_attr` is Dynamo's `.data`.
@@ -309,12 +316,7 @@ def _mutated(node: Node) -> Optional[Node]:
 
 def _mode_change_within(nodes: tuple[Node, ...]) -> Optional[Node]:
     """The first node of MODE_CHANGES in graph order between the first and the last of `nodes`."""
-    node = nodes[0]
-    while node is not nodes[-1]:
-        node = node.next
-        if is_call(node, MODE_CHANGES):
-            return node
-    return None
+    return next((node for node in _between(nodes) if is_call(node, MODE_CHANGES)), None)
 
 
 def find_chains(graph: Graph, families: tuple[ChainFamily, ...]) -> tuple[list[Match], list[Miss]]:
