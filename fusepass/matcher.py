@@ -26,14 +26,14 @@ class NoMatch(Exception):
 # What Dynamo writes into a graph where grad mode, inference mode or autocast change: the nodes after
 # it run in another mode. A chain must not cross one: its op runs every step in one mode. (Private
 # functions, looked up by name: a torch version may lack one.)
-ENTER_AUTOCAST = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
-EXIT_AUTOCAST = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
+_ENTER_AUTOCAST = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
+_EXIT_AUTOCAST = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
 MODE_CHANGES = tuple(f for f in (
     torch._C._set_grad_enabled,
     getattr(torch.autograd.grad_mode, "_enter_inference_mode", None),
     getattr(torch.autograd.grad_mode, "_exit_inference_mode", None),
-    ENTER_AUTOCAST,
-    EXIT_AUTOCAST,
+    _ENTER_AUTOCAST,
+    _EXIT_AUTOCAST,
 ) if f is not None)
 
 
@@ -42,6 +42,26 @@ def meta_value(node: Any) -> Any:
     if not isinstance(node, Node):
         return None
     return node.meta.get("val", node.meta.get("example_value"))
+
+
+def under_autocast(node: Node) -> bool:
+    """Whether autocast is on for the node's device where it runs: entered around the compiled code
+    (Dynamo guards on that, so it holds while compiling), or by an autocast region in the graph."""
+    device = meta_value(node).device.type
+    if torch.is_autocast_enabled(device):
+        return True
+    closed = 0
+    previous = node.prev
+    while previous.op != "root":  # back to the innermost region still open at the node
+        if is_call(previous, (_EXIT_AUTOCAST,)):
+            closed += 1
+        elif is_call(previous, (_ENTER_AUTOCAST,)):
+            if closed:
+                closed -= 1
+            elif previous.args[0] == device:
+                return bool(previous.args[2])
+        previous = previous.prev
+    return False
 
 
 def bind_arguments(node: Node, names: tuple[str, ...], defaults: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from fusepass.matcher import ENTER_AUTOCAST, EXIT_AUTOCAST, NoMatch, bind_arguments, is_call, meta_value
+from fusepass.matcher import NoMatch, bind_arguments, is_call, meta_value, under_autocast
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -76,26 +76,6 @@ def check_operand_dtypes(node: Node, args: LinearArgs) -> None:
     if len(dtypes) > 1 and not under_autocast(node):
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
         raise NoMatch(f"`{node.name}` multiplies {names} operands outside autocast: eager raises, and so will it")
-
-
-def under_autocast(node: Node) -> bool:
-    """Whether autocast is on for the node's device where it runs: entered around the compiled code
-    (Dynamo guards on that, so it holds while compiling), or by an autocast region in the graph."""
-    device = meta_value(node).device.type
-    if torch.is_autocast_enabled(device):
-        return True
-    closed = 0
-    previous = node.prev
-    while previous.op != "root":  # back to the innermost region still open at the node
-        if is_call(previous, (EXIT_AUTOCAST,)):
-            closed += 1
-        elif is_call(previous, (ENTER_AUTOCAST,)):
-            if closed:
-                closed -= 1
-            elif previous.args[0] == device:
-                return bool(previous.args[2])
-        previous = previous.prev
-    return False
 
 
 def parse_head(node: Node) -> list[tuple[LinearArgs, Optional[Node]]]:
