@@ -8,6 +8,9 @@ import sys
 from fnmatch import fnmatch
 from pathlib import Path
 
+from fusepass.lowering.gemm import GemmMeta
+from fusepass.lowering.normalize import OutputMeta
+
 PACKAGE = Path(__file__).resolve().parent.parent / "fusepass"
 
 # Bottom to top. A module may import its own layer's and lower layers' modules.
@@ -102,3 +105,40 @@ def test_ruff_finds_nothing():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "fusepass", "tests", "tools", "demos"], cwd=root,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _jit_kernels() -> list[tuple[str, ast.FunctionDef]]:
+    """(module, function) of every @triton.jit function whose name ends in "kernel" (launched from Python;
+    the helpers they call are inlined)."""
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("kernel") and "jit" in ast.unparse(
+                    node.decorator_list[0] if node.decorator_list else ast.Constant(None)):
+                found.append((name, node))
+    return found
+
+
+def test_files_and_kernel_signatures_stay_small():
+    long_files = [name for name, path in MODULES.items() if len(path.read_text().splitlines()) > 450]
+    assert long_files == [], f"modules over 450 lines: {long_files}"
+    kernels = _jit_kernels()
+    assert {node.name for _, node in kernels} >= {"_gemm_kernel", "normalize_kernel", "normalize_softmax_kernel"}
+    wide = [(node.name, len(node.args.args)) for _, node in kernels if len(node.args.args) > 30]
+    assert wide == [], f"kernels with more than 30 parameters: {wide}"
+
+
+def test_kernels_unpack_their_meta_tuple_in_its_declared_order():
+    """A kernel taking META unpacks it by position: each `NAME: tl.constexpr = META[i]` must name field i
+    of the NamedTuple the launcher builds it from (upper-cased)."""
+    declared = {"_gemm_kernel": GemmMeta._fields, "normalize_kernel": OutputMeta._fields,
+                "normalize_softmax_kernel": OutputMeta._fields}
+    for _, node in _jit_kernels():
+        unpacked = [(stmt.target.id, stmt.value.slice.value) for stmt in node.body
+                    if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.value, ast.Subscript)
+                    and ast.unparse(stmt.value.value) == "META"]
+        if not unpacked:
+            continue
+        fields = declared[node.name]
+        assert [(fields[i].upper(), i) for _, i in unpacked] == unpacked, node.name
+        assert [i for _, i in unpacked] == list(range(len(unpacked))), node.name

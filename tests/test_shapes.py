@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fusepass
-from fusepass.lowering import gemm, normalize, tuning
+from fusepass.lowering import gemm, normalize, tf32_split, tuning
 from tests.chains import DEVICES, ChainModel, Trio, assert_fused, make_input, requires_cuda
 
 # 300 rows span three of the GEMM's row tiles (128) and ten statistics strips (32): a symbolic count of
@@ -115,7 +115,8 @@ def test_opaque_op_runs_any_row_count_on_one_compile(fused_chain, tuned, monkeyp
     64, 48 and 37 rows, divisible by 16 or not) tune once and compile each kernel once: the row count is
     never specialized."""
     monkeypatch.setenv("FUSEPASS_OPAQUE", "1")
-    kernels = (gemm._gemm_kernel, gemm._tf32_split_kernel, normalize.normalize_kernel, normalize.finalize_stats_kernel)
+    kernels = (gemm._gemm_kernel, tf32_split._tf32_split_kernel, normalize.normalize_kernel,
+               normalize.finalize_stats_kernel)
     trio = fused_chain("cuda")
     trio.train(True)
     trio.step(make_input(64, 32, "cuda"))

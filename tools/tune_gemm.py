@@ -15,6 +15,7 @@ from tabulate import tabulate
 
 from fusepass.lowering import gemm
 from fusepass.lowering.schema import Linear, Scale
+from fusepass.lowering.tf32_split import split_tf32
 from fusepass.numerics import rel_error
 
 # Timed besides the candidates, to see whether the candidate list should change: the one-warpgroup
@@ -73,7 +74,7 @@ def main() -> None:
                                          config=config.describe(), error=repr(exc)[:120]))
                     print(rows[-1], flush=True)
         for name, operand in (("W", w), ("x", x)):
-            split_ms = triton.testing.do_bench(lambda: gemm.split_tf32(operand), return_mode="median")
+            split_ms = triton.testing.do_bench(lambda: split_tf32(operand), return_mode="median")
             rows.append(dict(m=m, k=k, n=n, dtype="float32", kernel=f"split {name} into tf32 hi+lo", ms=split_ms))
     print(tabulate(rows, headers="keys", floatfmt=".4g"))
     if args.json:

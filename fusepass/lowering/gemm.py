@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -34,6 +34,7 @@ from fusepass.lowering import limits, pointwise
 from fusepass.lowering.launch import launch, present_or_placeholder, unused_pointer
 from fusepass.lowering.pointwise import apply_tail
 from fusepass.lowering.schema import BatchNorm, Linear, Scale, Tail
+from fusepass.lowering.tf32_split import split_row_stride, split_tf32, tf32_split
 from fusepass.lowering.tiles import batch_norm_tile, inverse_std, load_scale, tile_column_stats
 
 # GEMM precisions (PRECISION).
@@ -44,8 +45,6 @@ SPLIT_W = tl.constexpr(3)
 SPLIT_X = tl.constexpr(4)
 PRECISIONS = {"native": NATIVE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W, "split_x": SPLIT_X}
 PRE_SPLIT = ("split_w", "split_x")  # precisions whose kernel reads one operand as tf32 hi + lo from memory
-
-SPLIT_ROW_ALIGNMENT = 16  # elements: a split operand's rows are 64-byte aligned, whatever its width
 
 # What the GEMM does after its main loop (EPILOGUE).
 EPILOGUE_LINEAR = tl.constexpr(0)
@@ -69,6 +68,25 @@ class GemmConfig:
 
     def with_tma(self) -> "GemmConfig":
         return dataclasses.replace(self, tma=True)
+
+
+class GemmMeta(NamedTuple):
+    """The GEMM kernel's meta-parameters, passed as one constexpr tuple (META) in this order, which the
+    kernel unpacks by position: as parameters of their own they would take it to 43 arguments."""
+    precision: int
+    epilogue: int
+    store_y: bool
+    eval_stats: bool
+    has_bias: bool
+    scale_mode: int
+    has_gamma: bool
+    has_beta: bool
+    tail: tuple  # pointwise.tail_program's
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    use_tma: bool
 
 
 def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
@@ -115,7 +133,7 @@ def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) 
     return limits.first(
         limits.int32_offsets(x=x, weight=weight),
         limits.int32_buffer("the linear output", m, weight.shape[0]),
-        limits.int32_buffer("the split operand", split.shape[0], k + SPLIT_ROW_ALIGNMENT) if split is not None
+        limits.int32_buffer("the split operand", split.shape[0], split_row_stride(k)) if split is not None
         else None,
         limits.column_grid(k) if split is not None else None,
         limits.tma_descriptors(x, weight) if config.tma else None,
@@ -123,31 +141,6 @@ def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) 
 
 
 # --------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def tf32_split(a):
-    """a = hi + lo exactly, hi rounded to tf32's 10 mantissa bits (nearest, ties away from zero)."""
-    bits = a.to(tl.int32, bitcast=True)
-    hi = ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)  # -8192 == 0xFFFFE000
-    return hi, a - hi
-
-
-@triton.jit(do_not_specialize=["rows", "cols"])
-def _tf32_split_kernel(
-    src_ptr, hi_ptr, lo_ptr,  # pointers: src any layout; hi and lo row-major
-    rows, cols,  # sizes
-    stride_src_row, stride_src_col, stride_out_row,  # strides
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,  # meta-parameters
-):
-    """Splits a 2-D tensor of any strides into row-major hi + lo in one pass: a transposed operand is
-    made K-major here, in the same read and write as the split, not by a copy before it."""
-    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
-    c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[None, :]
-    mask = (r < rows) & (c < cols)
-    hi, lo = tf32_split(tl.load(src_ptr + r * stride_src_row + c * stride_src_col, mask=mask, other=0.0))
-    tl.store(hi_ptr + r * stride_out_row + c, hi, mask=mask)
-    tl.store(lo_ptr + r * stride_out_row + c, lo, mask=mask)
 
 
 @triton.jit
@@ -216,21 +209,31 @@ def _gemm_kernel(
     scale_ptr, running_mean_ptr, running_var_ptr, gamma_ptr, beta_ptr,
     # pointers: the pointwise tail's tensor operands
     tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3,
-    # pointers: outputs
-    y_ptr, out_ptr, part_mean_ptr, part_m2_ptr, mean_ptr, invstd_ptr,
+    # pointers: outputs (part_stats: the row tiles' means, then their M2s, as normalize.Partials)
+    y_ptr, out_ptr, part_stats_ptr, mean_ptr, invstd_ptr,
     # sizes; this launch's N columns are y's columns y_col0 on (a block of W's rows, run_linear)
     M, N, K, y_col0,
     # strides (of the operands, and y's rows; out is row-major, N wide)
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym,
     # scalars
     scale_value, eps,
-    # meta-parameters
-    PRECISION: tl.constexpr, EPILOGUE: tl.constexpr, STORE_Y: tl.constexpr, EVAL_STATS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    TAIL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    # meta-parameters (GemmMeta)
+    META: tl.constexpr,
 ):
+    PRECISION: tl.constexpr = META[0]
+    EPILOGUE: tl.constexpr = META[1]
+    STORE_Y: tl.constexpr = META[2]
+    EVAL_STATS: tl.constexpr = META[3]
+    HAS_BIAS: tl.constexpr = META[4]
+    SCALE_MODE: tl.constexpr = META[5]
+    HAS_GAMMA: tl.constexpr = META[6]
+    HAS_BETA: tl.constexpr = META[7]
+    TAIL: tl.constexpr = META[8]
+    BLOCK_M: tl.constexpr = META[9]
+    BLOCK_N: tl.constexpr = META[10]
+    BLOCK_K: tl.constexpr = META[11]
+    GROUP_M: tl.constexpr = META[12]
+    USE_TMA: tl.constexpr = META[13]
     # Grouped tile order: GROUP_M row tiles share each W column tile while it is in L2.
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -301,8 +304,8 @@ def _gemm_kernel(
     if EPILOGUE == EPILOGUE_STATISTICS:
         count = tl.minimum(M - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
         tile_mean, tile_m2 = tile_column_stats(y * s[None, :], row_mask, count)
-        tl.store(part_mean_ptr + pid_m * N + cols, tile_mean, mask=col_mask)
-        tl.store(part_m2_ptr + pid_m * N + cols, tile_m2, mask=col_mask)
+        tl.store(part_stats_ptr + pid_m * N + cols, tile_mean, mask=col_mask)
+        tl.store(part_stats_ptr + (num_pid_m + pid_m) * N + cols, tile_m2, mask=col_mask)
     if EVAL_STATS:
         mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         invstd = inverse_std(tl.load(running_var_ptr + cols, mask=col_mask, other=1.0).to(tl.float32), eps)
@@ -318,31 +321,11 @@ def _gemm_kernel(
 # --------------------------------------------------------------------------- launcher
 
 
-def split_tf32(t: Tensor) -> tuple[Tensor, Tensor]:
-    """(hi, lo) with t == hi + lo exactly and hi representable in tf32, from a 2-D t of any strides: in
-    row-major buffers of t's rows and its columns rounded up to SPLIT_ROW_ALIGNMENT, whose first
-    columns hold the halves (`hi[:, :cols] + lo[:, :cols] == t`). A weight gradient's split operand has
-    the batch as its columns; padded, its row stride is divisible by 16 for every batch size, so the GEMM
-    reading it compiles once and loads it vectorized. The buffers are returned whole, not as views of
-    t's width: a view's contiguity check on a symbolic batch would guard on batch % 16 and recompile
-    the graph when it changes (seen on an H100)."""
-    rows, cols = t.shape
-    stride = (cols + SPLIT_ROW_ALIGNMENT - 1) // SPLIT_ROW_ALIGNMENT * SPLIT_ROW_ALIGNMENT
-    hi = torch.empty((rows, stride), device=t.device, dtype=t.dtype)
-    lo = torch.empty((rows, stride), device=t.device, dtype=t.dtype)
-    block = 64
-    grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
-    launch(_tf32_split_kernel)[grid](t, hi, lo, rows, cols, t.stride(0), t.stride(1), stride,
-                                     BLOCK_ROWS=block, BLOCK_COLS=block)
-    return hi, lo
-
-
 @dataclass
 class GemmOutputs:
     y: Tensor                  # the linear output (empty when not stored)
     out: Optional[Tensor]      # EPILOGUE_NORMALIZE: the op's output
-    part_mean: Optional[Tensor]  # EPILOGUE_STATISTICS: row tiles x F, flat (normalize.Partials says why)
-    part_m2: Optional[Tensor]
+    part_stats: Optional[Tensor]  # EPILOGUE_STATISTICS: row tiles' means, then M2s, flat (normalize.Partials)
     n_parts: int
     rows_per_part: int
 
@@ -400,8 +383,7 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
     out = torch.empty((m, n), device=device, dtype=eval_norm.out_dtype) if normalizes else None
     statistics = epilogue == EPILOGUE_STATISTICS.value
     n_parts = triton.cdiv(m, config.block_m) if statistics else 0
-    part_mean = torch.empty(n_parts * n, device=device, dtype=torch.float32)
-    part_m2 = torch.empty(n_parts * n, device=device, dtype=torch.float32)
+    part_stats = torch.empty(2 * n_parts * n, device=device, dtype=torch.float32)
     placeholder = unused_pointer(device)
 
     def opt(t: Optional[Tensor]) -> Tensor:
@@ -427,20 +409,21 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
         *operands, opt(bias),
         opt(scale_before.tensor), opt(bn and bn.running_mean), opt(bn and bn.running_var),
         opt(bn and bn.weight), opt(bn and bn.bias), *(opt(t) for t in tail.tensors),
-        y, opt(out), part_mean, part_m2, opt(eval_norm and eval_norm.mean), opt(eval_norm and eval_norm.invstd),
+        y, opt(out), part_stats, opt(eval_norm and eval_norm.mean), opt(eval_norm and eval_norm.invstd),
         m, n, k, y_col0,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
         scale_before.value, bn.eps if bn else 0.0,
-        PRECISION=(PRECISIONS[precision] if x.dtype == torch.float32 else NATIVE).value,
-        EPILOGUE=epilogue, STORE_Y=store_y, EVAL_STATS=eval_norm is not None,
-        HAS_BIAS=bias is not None, SCALE_MODE=scale_before.mode,
-        HAS_GAMMA=bn is not None and bn.weight is not None, HAS_BETA=bn is not None and bn.bias is not None,
-        TAIL=pointwise.tail_program(tail.program, tail.tensors),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        USE_TMA=config.tma,
+        META=tuple(GemmMeta(
+            precision=(PRECISIONS[precision] if x.dtype == torch.float32 else NATIVE).value,
+            epilogue=epilogue, store_y=store_y, eval_stats=eval_norm is not None,
+            has_bias=bias is not None, scale_mode=scale_before.mode,
+            has_gamma=bn is not None and bn.weight is not None, has_beta=bn is not None and bn.bias is not None,
+            tail=pointwise.tail_program(tail.program, tail.tensors),
+            block_m=config.block_m, block_n=config.block_n, block_k=config.block_k, group_m=config.group_m,
+            use_tma=config.tma)),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return GemmOutputs(y, out, part_mean if statistics else None, part_m2 if statistics else None, n_parts,
+    return GemmOutputs(y, out, part_stats if statistics else None, n_parts,
                        config.block_m)
 
 

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 INT32_ELEMENTS = 2**31 - 1
 MAX_GRID_Y = 65535
-COLUMN_BLOCK = 64  # the widest column block of a 2-D grid's second dimension (normalize.py, gemm.split_tf32)
+COLUMN_BLOCK = 64  # the widest column block of a 2-D grid's second dimension (normalize.py, tf32_split.py)
 
 
 def furthest_element(t: Tensor) -> int:

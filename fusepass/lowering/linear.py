@@ -26,6 +26,7 @@ from fusepass.lowering.choice import (cublas_traceable, gemm_option, matmul_prec
 from fusepass.lowering.implementations import cublas_precision
 from fusepass.lowering.launch import hint
 from fusepass.lowering.schema import KernelOptions, Linear
+from fusepass.lowering.tf32_split import split_row_stride
 from fusepass.lowering.tuned_op import Declaration, TunedOp
 from fusepass.lowering.tuning import Problem, bucket
 
@@ -139,8 +140,7 @@ def _copy_past_limit(call: LinearCall, precision: str, config: gemm.GemmConfig) 
         split_rows = min(weight.shape[0], _block_rows(Linear(x, weight, None), precision, config))
     else:
         return None
-    padded_k = (x.shape[1] + gemm.SPLIT_ROW_ALIGNMENT - 1) // gemm.SPLIT_ROW_ALIGNMENT * gemm.SPLIT_ROW_ALIGNMENT
-    copy_bytes = 2 * split_rows * padded_k * x.element_size()
+    copy_bytes = 2 * split_rows * split_row_stride(x.shape[1]) * x.element_size()
     if copy_bytes > SPLIT_COPY_LIMIT:
         return f"its {precision} copies would take {hint(copy_bytes) >> 20} MiB, past {SPLIT_COPY_LIMIT >> 20} MiB"
     return None

@@ -57,19 +57,22 @@ SOFTMAX_LAUNCH = SoftmaxLaunch()
 
 
 class Partials(NamedTuple):
-    """Per strip of rows and per feature, the mean and M2 of z = y * s (strips of rows_per_part rows), in
-    flat buffers of n_parts x F, row-major. Flat, because n_parts follows the batch: a (n_parts, F) tensor's
-    contiguity check guards on n_parts == 1 (torch 2.11), and the graph recompiled when a batch first
-    spanned two strips."""
-    mean: Tensor
-    m2: Tensor
+    """Per strip of rows and per feature, the mean and M2 of z = y * s (strips of rows_per_part rows): one
+    flat buffer, the n_parts x F means, then the n_parts x F M2s, row-major (the kernels take it as one
+    pointer). Flat, because n_parts follows the batch: a (n_parts, F) tensor's contiguity check guards on
+    n_parts == 1 (torch 2.11), and the graph recompiled when a batch first spanned two strips."""
+    stats: Tensor
     n_parts: int
     rows_per_part: int
 
     @staticmethod
     def allocate(n_parts: int, rows_per_part: int, n_cols: int, device) -> "Partials":
-        return Partials(torch.empty(n_parts * n_cols, device=device, dtype=torch.float32),
-                        torch.empty(n_parts * n_cols, device=device, dtype=torch.float32), n_parts, rows_per_part)
+        return Partials(torch.empty(2 * n_parts * n_cols, device=device, dtype=torch.float32), n_parts, rows_per_part)
+
+    def mean_and_m2(self, n_cols: int) -> tuple[Tensor, Tensor]:
+        """The means and the M2s, each (n_parts, F), views of the buffer."""
+        means, m2s = self.stats.view(2, self.n_parts, n_cols).unbind(0)
+        return means, m2s
 
 
 @dataclass
@@ -93,15 +96,15 @@ class Statistics:
     def pointers(self) -> tuple[Tensor, ...]:
         """The kernels' statistics pointers, in their order; absent tensors get a placeholder."""
         placeholder = unused_pointer(self.mean.device)
-        parts = self.parts or Partials(placeholder, placeholder, 0, 1)
+        parts = self.parts or Partials(placeholder, 0, 1)
         bn = self.batch_norm
-        return (parts.mean, parts.m2, present_or_placeholder(bn.running_mean, placeholder),
+        return (parts.stats, present_or_placeholder(bn.running_mean, placeholder),
                 present_or_placeholder(bn.running_var, placeholder), self.mean, self.invstd, self.new_mean,
                 self.new_var)
 
-    def sizes(self) -> tuple[int, int]:
-        """(n_parts, rows_per_part)."""
-        return (self.parts.n_parts, self.parts.rows_per_part) if self.parts else (0, 1)
+    def rows_per_part(self) -> int:
+        """The strips' height (the kernels count the strips from it and the rows)."""
+        return self.parts.rows_per_part if self.parts else 1
 
     def scalars(self) -> tuple[float, float]:
         return self.batch_norm.momentum, self.batch_norm.eps
@@ -124,7 +127,7 @@ def partial_statistics(y: Tensor, scale: Scale) -> Partials:
     n_parts = triton.cdiv(n_rows, rows_per_part)
     parts = Partials.allocate(n_parts, rows_per_part, n_cols, y.device)
     launch(partial_stats_kernel)[(n_parts, triton.cdiv(n_cols, STATS_BLOCK_C))](
-        y, present_or_placeholder(scale.tensor, parts.mean), parts.mean, parts.m2,
+        y, present_or_placeholder(scale.tensor, unused_pointer(y.device)), parts.stats,
         n_rows, n_cols, rows_per_part,
         y.stride(0), y.stride(1),
         scale.value,
@@ -139,7 +142,7 @@ def finalize_statistics(stats: Statistics, parts: Optional[Partials], n_rows: in
     stats.parts = parts
     n_cols = stats.mean.shape[0]
     launch(finalize_stats_kernel)[(triton.cdiv(n_cols, FINALIZE_BLOCK_C),)](
-        *stats.pointers(), n_rows, n_cols, *stats.sizes(), *stats.scalars(),
+        *stats.pointers(), n_rows, n_cols, stats.rows_per_part(), *stats.scalars(),
         STATS_SOURCE=(STATS_MERGE if parts is not None else STATS_RUNNING).value,
         UPDATE_RUNNING=stats.batch_norm.updates_running_stats, BLOCK_C=FINALIZE_BLOCK_C,
     )
@@ -160,6 +163,21 @@ def merges_in_output_pass(n_rows: int, n_cols: int, n_parts: int, y_element_size
 # --------------------------------------------------------------------------- output pass
 
 
+class OutputMeta(NamedTuple):
+    """The output kernels' meta-parameters, passed as one constexpr tuple (META) in this order, which the
+    kernels unpack by position: with each a parameter of its own they would take 33 and 34 arguments.
+    `tail` is pointwise.tail_program's; `accurate_exp` is the softmax kernel's alone."""
+    scale_mode: int
+    has_gamma: bool
+    has_beta: bool
+    stats_source: int
+    update_running: bool
+    tail: tuple
+    block_r: int
+    block_c: int
+    accurate_exp: bool = True
+
+
 def output_pass(y: Tensor, args: ChainArgs, stats: Statistics, out: Tensor,
                 softmax_launch: SoftmaxLaunch = SOFTMAX_LAUNCH) -> Tensor:
     """Writes out = [softmax](tail((y * s1 - mean) * invstd * gamma + beta)), with mean and invstd from
@@ -173,21 +191,23 @@ def output_pass(y: Tensor, args: ChainArgs, stats: Statistics, out: Tensor,
         present_or_placeholder(bn.bias, placeholder), out,
         *tail_pointers(args.tail, placeholder),
         *stats.pointers(),
-        n_rows, n_cols, *stats.sizes(),
+        n_rows, n_cols, stats.rows_per_part(),
         y.stride(0), y.stride(1), out.stride(0), out.stride(1),
         s1.value, *stats.scalars(),
     )
-    meta = dict(SCALE_MODE=s1.mode, HAS_GAMMA=bn.weight is not None,
-                HAS_BETA=bn.bias is not None, STATS_SOURCE=stats.source,
-                UPDATE_RUNNING=stats.source == STATS_MERGE.value and bn.updates_running_stats,
-                TAIL=pointwise.tail_program(args.tail.program, args.tail.tensors))
+    meta = OutputMeta(scale_mode=s1.mode, has_gamma=bn.weight is not None, has_beta=bn.bias is not None,
+                      stats_source=stats.source,
+                      update_running=stats.source == STATS_MERGE.value and bn.updates_running_stats,
+                      tail=pointwise.tail_program(args.tail.program, args.tail.tensors),
+                      block_r=NORM_BLOCK_R, block_c=NORM_BLOCK_C)
     if args.softmax:
+        meta = meta._replace(block_r=softmax_launch.block_r, block_c=softmax_launch.block_c(n_cols),
+                             accurate_exp=not INTERPRETED)
         launch(normalize_softmax_kernel)[(triton.cdiv(n_rows, softmax_launch.block_r),)](
-            *kernel_args, **meta, BLOCK_R=softmax_launch.block_r, BLOCK_C=softmax_launch.block_c(n_cols),
-            ACCURATE_EXP=not INTERPRETED, num_warps=softmax_launch.warps(n_cols))
+            *kernel_args, META=tuple(meta), num_warps=softmax_launch.warps(n_cols))
     else:
         launch(normalize_kernel)[(triton.cdiv(n_rows, NORM_BLOCK_R), triton.cdiv(n_cols, NORM_BLOCK_C))](
-            *kernel_args, **meta, BLOCK_R=NORM_BLOCK_R, BLOCK_C=NORM_BLOCK_C)
+            *kernel_args, META=tuple(meta))
     return out
 
 
@@ -216,8 +236,7 @@ def synced_statistics(stats: Statistics, parts: Partials, n_rows: int) -> None:
     Inductor fuses where the op's body is traced."""
     bn = stats.batch_norm
     n_cols = stats.mean.shape[0]
-    strips = sync.merge_strips(parts.mean.view(parts.n_parts, n_cols), parts.m2.view(parts.n_parts, n_cols),
-                               parts.rows_per_part, n_rows)
+    strips = sync.merge_strips(*parts.mean_and_m2(n_cols), parts.rows_per_part, n_rows)
     count, mean, var = sync.merge_across_ranks(*strips, bn.group_name)
     stats.mean.copy_(mean)
     stats.invstd.copy_(1.0 / torch.sqrt(var + bn.eps))

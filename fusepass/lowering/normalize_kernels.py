@@ -25,16 +25,19 @@ STATS_MERGE = tl.constexpr(1)
 STATS_RUNNING = tl.constexpr(2)
 
 # --------------------------------------------------------------------------- kernels
-# Row counts (n_rows, and n_parts, the row strips) change with the batch: runtime arguments that are never
-# specialized, so a new batch size compiles nothing.
+# Row counts (n_rows; the row strips' count follows from it) change with the batch: runtime arguments that
+# are never specialized, so a new batch size compiles nothing.
 # `stats` below is the tuple of statistics pointers Statistics.pointers() gives, in this order:
-# (part_mean, part_m2, running_mean, running_var, mean, invstd, new_running_mean, new_running_var).
+# (part_stats, running_mean, running_var, mean, invstd, new_running_mean, new_running_var). part_stats holds
+# the strips' means, then their M2s, each n_parts x n_cols row-major: one pointer, so that the kernels stay
+# within 30 arguments (wrap_triton tracks tensors only as top-level arguments; pointer tuples are out).
+# The output kernels take their meta-parameters as one constexpr tuple, META (normalize.OutputMeta).
 
 
 @triton.jit(do_not_specialize=["n_rows"])
 def partial_stats_kernel(
     # pointers
-    y_ptr, scale_ptr, part_mean_ptr, part_m2_ptr,
+    y_ptr, scale_ptr, part_stats_ptr,
     # sizes
     n_rows, n_cols, rows_per_program,
     # strides
@@ -66,21 +69,22 @@ def partial_stats_kernel(
         count, mean, m2 = chan_merge(count, mean, m2, tile_count, tile_mean, tile_m2)
 
     out_offsets = pid_r * n_cols + cols
-    tl.store(part_mean_ptr + out_offsets, mean, mask=col_mask)
-    tl.store(part_m2_ptr + out_offsets, m2, mask=col_mask)
+    tl.store(part_stats_ptr + out_offsets, mean, mask=col_mask)
+    tl.store(part_stats_ptr + tl.num_programs(0) * n_cols + out_offsets, m2, mask=col_mask)
 
 
 @triton.jit
-def _merged_statistics(part_mean_ptr, part_m2_ptr, cols, col_mask, n_rows, n_cols, n_parts, rows_per_part):
+def _merged_statistics(part_stats_ptr, cols, col_mask, n_rows, n_cols, rows_per_part):
     """Per column: the row strips' (mean, M2) of z merged with Chan's formula. Returns (count, mean,
     biased variance)."""
     count = tl.zeros(cols.shape, dtype=tl.float32)
     mean = tl.zeros(cols.shape, dtype=tl.float32)
     m2 = tl.zeros(cols.shape, dtype=tl.float32)
+    n_parts = tl.cdiv(n_rows, rows_per_part)
     for p in range(0, n_parts):
         part_count = tl.minimum(rows_per_part, n_rows - p * rows_per_part).to(tl.float32)
-        part_mean = tl.load(part_mean_ptr + p * n_cols + cols, mask=col_mask, other=0.0)
-        part_m2 = tl.load(part_m2_ptr + p * n_cols + cols, mask=col_mask, other=0.0)
+        part_mean = tl.load(part_stats_ptr + p * n_cols + cols, mask=col_mask, other=0.0)
+        part_m2 = tl.load(part_stats_ptr + (n_parts + p) * n_cols + cols, mask=col_mask, other=0.0)
         count, mean, m2 = chan_merge(count, mean, m2, part_count, part_mean, part_m2)
     return count, mean, m2 / count
 
@@ -89,7 +93,7 @@ def _merged_statistics(part_mean_ptr, part_m2_ptr, cols, col_mask, n_rows, n_col
 def _store_statistics(stats, mean, var, count, cols, mask, momentum, eps, UPDATE_RUNNING: tl.constexpr):
     """Stores mean and invstd, and (training with running statistics) the momentum update of the
     running statistics with the unbiased variance. Returns invstd."""
-    _, _, running_mean_ptr, running_var_ptr, mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr = stats
+    _, running_mean_ptr, running_var_ptr, mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr = stats
     invstd = inverse_std(var, eps)
     tl.store(mean_ptr + cols, mean, mask=mask)
     tl.store(invstd_ptr + cols, invstd, mask=mask)
@@ -107,19 +111,18 @@ def _store_statistics(stats, mean, var, count, cols, mask, momentum, eps, UPDATE
 
 @triton.jit
 def _column_statistics(
-    stats, cols, col_mask, row_program, n_rows, n_cols, n_parts, rows_per_part, momentum, eps,
+    stats, cols, col_mask, row_program, n_rows, n_cols, rows_per_part, momentum, eps,
     STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
 ):
     """(mean, invstd) of some columns, from STATS_SOURCE (see the module docstring). When computed here,
     row program 0 stores them and the running-statistics update (a nonzero row_program stores nothing)."""
-    part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr, mean_ptr, invstd_ptr, _, _ = stats
+    part_stats_ptr, running_mean_ptr, running_var_ptr, mean_ptr, invstd_ptr, _, _ = stats
     if STATS_SOURCE == STATS_READ:
         mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
         invstd = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
     else:
         if STATS_SOURCE == STATS_MERGE:
-            count, mean, var = _merged_statistics(part_mean_ptr, part_m2_ptr, cols, col_mask, n_rows, n_cols,
-                                                  n_parts, rows_per_part)
+            count, mean, var = _merged_statistics(part_stats_ptr, cols, col_mask, n_rows, n_cols, rows_per_part)
         else:
             count = tl.zeros(cols.shape, dtype=tl.float32)
             mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -130,13 +133,13 @@ def _column_statistics(
     return mean, invstd
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_parts"])
+@triton.jit(do_not_specialize=["n_rows"])
 def finalize_stats_kernel(
     # pointers: statistics
-    part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+    part_stats_ptr, running_mean_ptr, running_var_ptr,
     mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
     # sizes
-    n_rows, n_cols, n_parts, rows_per_part,
+    n_rows, n_cols, rows_per_part,
     # scalars
     momentum, eps,
     # meta-parameters
@@ -144,10 +147,10 @@ def finalize_stats_kernel(
 ):
     """Per column: merge the strips' statistics (training) or read the running ones (eval); store
     mean/invstd and update the running statistics, once, for an output pass that reads them."""
-    stats = (part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+    stats = (part_stats_ptr, running_mean_ptr, running_var_ptr,
              mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    _column_statistics(stats, cols, cols < n_cols, 0, n_rows, n_cols, n_parts, rows_per_part, momentum, eps,
+    _column_statistics(stats, cols, cols < n_cols, 0, n_rows, n_cols, rows_per_part, momentum, eps,
                        STATS_SOURCE, UPDATE_RUNNING)
 
 
@@ -168,7 +171,7 @@ def _normalized_tile(
 
 @triton.jit
 def _output_tile(
-    params, tail_tensors, stats, rows, cols, row_mask, col_mask, row_program, n_rows, n_cols, n_parts,
+    params, tail_tensors, stats, rows, cols, row_mask, col_mask, row_program, n_rows, n_cols,
     rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
     SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
     STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, TAIL: tl.constexpr,
@@ -177,75 +180,87 @@ def _output_tile(
     (and both softmax sweeps) computes u through this one function, so the compiler builds the same
     expression, with the same rounding, in each: had one sweep let `u - max` contract into an FMA and
     the other not, numerators and sum would disagree by up to |u| ulps."""
-    mean, invstd = _column_statistics(stats, cols, col_mask, row_program, n_rows, n_cols, n_parts, rows_per_part,
+    mean, invstd = _column_statistics(stats, cols, col_mask, row_program, n_rows, n_cols, rows_per_part,
                                       momentum, eps, STATS_SOURCE, UPDATE_RUNNING)
     return _normalized_tile(params, tail_tensors, mean, invstd, rows, cols, row_mask, col_mask, stride_yr, stride_yc,
                             scale_value, SCALE_MODE, HAS_GAMMA, HAS_BETA, TAIL)
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_parts"])
+@triton.jit(do_not_specialize=["n_rows"])
 def normalize_kernel(
     # pointers: input, parameters, output
     y_ptr, scale_ptr, gamma_ptr, beta_ptr, out_ptr,
     # pointers: the tail's tensor operands
     tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3,
     # pointers: statistics
-    part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+    part_stats_ptr, running_mean_ptr, running_var_ptr,
     mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
     # sizes
-    n_rows, n_cols, n_parts, rows_per_part,
+    n_rows, n_cols, rows_per_part,
     # strides
     stride_yr, stride_yc, stride_or, stride_oc,
     # scalars
     scale_value, momentum, eps,
-    # meta-parameters
-    SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, TAIL: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    # meta-parameters (normalize.OutputMeta)
+    META: tl.constexpr,
 ):
     """out = tail((y * s1 - mean) * invstd * gamma + beta), stored in out's dtype."""
     params = (y_ptr, scale_ptr, gamma_ptr, beta_ptr)
     tail_tensors = (tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3)
-    stats = (part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+    SCALE_MODE: tl.constexpr = META[0]
+    HAS_GAMMA: tl.constexpr = META[1]
+    HAS_BETA: tl.constexpr = META[2]
+    STATS_SOURCE: tl.constexpr = META[3]
+    UPDATE_RUNNING: tl.constexpr = META[4]
+    TAIL: tl.constexpr = META[5]
+    BLOCK_R: tl.constexpr = META[6]
+    BLOCK_C: tl.constexpr = META[7]
+    stats = (part_stats_ptr, running_mean_ptr, running_var_ptr,
              mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr)
     pid_r = tl.program_id(0)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < n_rows
     col_mask = cols < n_cols
-    u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols, n_parts,
+    u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols,
                      rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
                      SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, TAIL)
     tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
              u.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_parts"])
+@triton.jit(do_not_specialize=["n_rows"])
 def normalize_softmax_kernel(
     # pointers: input, parameters, output
     y_ptr, scale_ptr, gamma_ptr, beta_ptr, out_ptr,
     # pointers: the tail's tensor operands
     tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3,
     # pointers: statistics
-    part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+    part_stats_ptr, running_mean_ptr, running_var_ptr,
     mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr,
     # sizes
-    n_rows, n_cols, n_parts, rows_per_part,
+    n_rows, n_cols, rows_per_part,
     # strides
     stride_yr, stride_yc, stride_or, stride_oc,
     # scalars
     scale_value, momentum, eps,
-    # meta-parameters
-    SCALE_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-    STATS_SOURCE: tl.constexpr, UPDATE_RUNNING: tl.constexpr, TAIL: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    ACCURATE_EXP: tl.constexpr,
+    # meta-parameters (normalize.OutputMeta)
+    META: tl.constexpr,
 ):
     """out = softmax(tail(u), dim=-1) for BLOCK_R whole rows of any length: an online max/sum sweep over
     the columns, then a sweep that writes exp(u - max) / sum. fp32 throughout."""
     params = (y_ptr, scale_ptr, gamma_ptr, beta_ptr)
     tail_tensors = (tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3)
-    stats = (part_mean_ptr, part_m2_ptr, running_mean_ptr, running_var_ptr,
+    SCALE_MODE: tl.constexpr = META[0]
+    HAS_GAMMA: tl.constexpr = META[1]
+    HAS_BETA: tl.constexpr = META[2]
+    STATS_SOURCE: tl.constexpr = META[3]
+    UPDATE_RUNNING: tl.constexpr = META[4]
+    TAIL: tl.constexpr = META[5]
+    BLOCK_R: tl.constexpr = META[6]
+    BLOCK_C: tl.constexpr = META[7]
+    ACCURATE_EXP: tl.constexpr = META[8]
+    stats = (part_stats_ptr, running_mean_ptr, running_var_ptr,
              mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr)
     pid_r = tl.program_id(0)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -256,7 +271,7 @@ def normalize_softmax_kernel(
         cols = c0 + tl.arange(0, BLOCK_C)
         col_mask = cols < n_cols
         u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols,
-                         n_parts, rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
+                         rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
                          SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, TAIL)
         u = tl.where(col_mask[None, :], u, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(u, axis=1))
@@ -272,7 +287,7 @@ def normalize_softmax_kernel(
         col_mask = cols < n_cols
         # Row program 1 stores no statistics: the first sweep stored them already.
         u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, 1, n_rows, n_cols,
-                         n_parts, rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
+                         rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
                          SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, TAIL)
         u = tl.where(col_mask[None, :], u, float("-inf"))
         p = tl.math.div_rn(exp_accurate(u - shift[:, None], ACCURATE_EXP), row_sum[:, None])

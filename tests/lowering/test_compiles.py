@@ -17,7 +17,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fusepass.lowering import gemm, normalize_kernels, pointwise
+from fusepass.lowering import gemm, normalize_kernels, pointwise, tf32_split
+from fusepass.lowering.normalize import OutputMeta
 from fusepass.lowering.normalize_kernels import STATS_MERGE, STATS_READ, STATS_RUNNING
 from fusepass.lowering.tiles import SCALE_NUMBER, SCALE_PER_FEATURE, SCALE_SINGLE
 
@@ -45,14 +46,17 @@ def _compile(kernel, constexprs: dict, pointer_type: str = "*fp32") -> None:
     assert compiled.asm["cubin"]
 
 
-NORMALIZE_META = dict(SCALE_MODE=SCALE_PER_FEATURE.value, HAS_GAMMA=True, HAS_BETA=True, BLOCK_R=32, BLOCK_C=64)
+def _output_meta(source, tail) -> dict:
+    return dict(META=tuple(OutputMeta(scale_mode=SCALE_PER_FEATURE.value, has_gamma=True, has_beta=True,
+                                      stats_source=source.value, update_running=source == STATS_MERGE, tail=tail,
+                                      block_r=32, block_c=64)))
 
 
 def _gemm_meta(precision: str, epilogue, tail) -> dict:
-    return dict(PRECISION=gemm.PRECISIONS[precision].value, EPILOGUE=epilogue.value, STORE_Y=True,
-                EVAL_STATS=epilogue == gemm.EPILOGUE_NORMALIZE, HAS_BIAS=True, SCALE_MODE=SCALE_NUMBER.value,
-                HAS_GAMMA=True, HAS_BETA=False, TAIL=tail, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8,
-                USE_TMA=False)
+    return dict(META=tuple(gemm.GemmMeta(
+        precision=gemm.PRECISIONS[precision].value, epilogue=epilogue.value, store_y=True,
+        eval_stats=epilogue == gemm.EPILOGUE_NORMALIZE, has_bias=True, scale_mode=SCALE_NUMBER.value,
+        has_gamma=True, has_beta=False, tail=tail, block_m=64, block_n=64, block_k=32, group_m=8, use_tma=False)))
 
 
 def cases() -> dict:
@@ -61,15 +65,15 @@ def cases() -> dict:
     found = {}
     for source in (STATS_READ, STATS_MERGE, STATS_RUNNING):
         for tail_name, tail in (("tail", TAIL), ("no_tail", NO_TAIL)):
-            found[f"normalize_kernel[{source.value}-{tail_name}]"] = (normalize_kernels.normalize_kernel, dict(
-                NORMALIZE_META, STATS_SOURCE=source.value, UPDATE_RUNNING=source == STATS_MERGE, TAIL=tail), "*fp32")
-        found[f"normalize_softmax_kernel[{source.value}]"] = (normalize_kernels.normalize_softmax_kernel, dict(
-            NORMALIZE_META, STATS_SOURCE=source.value, UPDATE_RUNNING=True, TAIL=TAIL, ACCURATE_EXP=True), "*fp32")
+            found[f"normalize_kernel[{source.value}-{tail_name}]"] = (normalize_kernels.normalize_kernel,
+                                                                       _output_meta(source, tail), "*fp32")
+        found[f"normalize_softmax_kernel[{source.value}]"] = (normalize_kernels.normalize_softmax_kernel,
+                                                              _output_meta(source, TAIL), "*fp32")
     found["partial_stats_kernel"] = (normalize_kernels.partial_stats_kernel,
                                      dict(SCALE_MODE=SCALE_SINGLE.value, BLOCK_R=32, BLOCK_C=64), "*fp32")
     found["finalize_stats_kernel"] = (normalize_kernels.finalize_stats_kernel,
                                       dict(STATS_SOURCE=STATS_MERGE.value, UPDATE_RUNNING=True, BLOCK_C=64), "*fp32")
-    found["tf32_split_kernel"] = (gemm._tf32_split_kernel, dict(BLOCK_ROWS=64, BLOCK_COLS=64), "*fp32")
+    found["tf32_split_kernel"] = (tf32_split._tf32_split_kernel, dict(BLOCK_ROWS=64, BLOCK_COLS=64), "*fp32")
     for precision, epilogue, tail, pointer_type in (("tf32x3", gemm.EPILOGUE_STATISTICS, NO_TAIL, "*fp32"),
                                                     ("split_x", gemm.EPILOGUE_LINEAR, NO_TAIL, "*fp32"),
                                                     ("split_w", gemm.EPILOGUE_NORMALIZE, TAIL, "*fp32"),

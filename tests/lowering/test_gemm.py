@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from fusepass.lowering import gemm, limits
 from fusepass.lowering.implementations import on_cublas, on_triton_gemm
 from fusepass.lowering.schema import Linear
+from fusepass.lowering.tf32_split import split_tf32
 from tests.chains import assert_no_further_from_float64, requires_cuda
 from tests.lowering.cases import HALF_DTYPES, KERNEL_DEVICE, assert_like_eager, make_args, record_launches
 
@@ -20,7 +21,7 @@ FP32_ACCURATE = ["tf32x3", "split_w", "split_x"]
 def test_tf32_split_is_exact_and_hi_fits_tf32(transposed):
     t = torch.randn(67, 93, generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE) * 1e3
     t = t.t() if transposed else t  # a transposed operand comes out row-major from the same pass
-    hi, lo = gemm.split_tf32(t)
+    hi, lo = split_tf32(t)
     padded = (t.shape[1] + 15) // 16 * 16
     assert hi.is_contiguous() and lo.is_contiguous() and hi.shape == lo.shape == (t.shape[0], padded)
     hi, lo = hi[:, :t.shape[1]], lo[:, :t.shape[1]]
@@ -72,7 +73,7 @@ def test_statistics_epilogue_per_row_tile(scale):
                           else args.scale_before.value)
     tiles = z.split(SMALL.block_m)
     assert out.n_parts == len(tiles) and out.rows_per_part == SMALL.block_m
-    part_mean, part_m2 = out.part_mean.view(len(tiles), 19), out.part_m2.view(len(tiles), 19)
+    part_mean, part_m2 = out.part_stats.view(2, len(tiles), 19).unbind(0)
     torch.testing.assert_close(part_mean.double(), torch.stack([t.mean(0) for t in tiles]), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(part_m2.double(), torch.stack([((t - t.mean(0)) ** 2).sum(0) for t in tiles]),
                                rtol=1e-4, atol=1e-4)

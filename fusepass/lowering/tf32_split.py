@@ -1,0 +1,63 @@
+"""Splitting fp32 into tf32 halves, t == hi + lo exactly with hi representable in tf32: the 3xTF32 GEMM's
+three products (gemm.py) take the halves of a tile in registers (`tf32_split`), or of a whole operand
+split once in memory (`split_tf32`, the pre-split precisions)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fusepass.lowering.launch import launch
+
+SPLIT_ROW_ALIGNMENT = 16  # elements: a split operand's rows are 64-byte aligned, whatever its width
+
+
+def split_row_stride(cols: int) -> int:
+    """The row stride of a split operand's buffers: its columns rounded up to SPLIT_ROW_ALIGNMENT."""
+    return (cols + SPLIT_ROW_ALIGNMENT - 1) // SPLIT_ROW_ALIGNMENT * SPLIT_ROW_ALIGNMENT
+
+
+@triton.jit
+def tf32_split(a):
+    """a = hi + lo exactly, hi rounded to tf32's 10 mantissa bits (nearest, ties away from zero)."""
+    bits = a.to(tl.int32, bitcast=True)
+    hi = ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)  # -8192 == 0xFFFFE000
+    return hi, a - hi
+
+
+@triton.jit(do_not_specialize=["rows", "cols"])
+def _tf32_split_kernel(
+    src_ptr, hi_ptr, lo_ptr,  # pointers: src any layout; hi and lo row-major
+    rows, cols,  # sizes
+    stride_src_row, stride_src_col, stride_out_row,  # strides
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,  # meta-parameters
+):
+    """Splits a 2-D tensor of any strides into row-major hi + lo in one pass: a transposed operand is
+    made K-major here, in the same read and write as the split, not by a copy before it."""
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
+    c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[None, :]
+    mask = (r < rows) & (c < cols)
+    hi, lo = tf32_split(tl.load(src_ptr + r * stride_src_row + c * stride_src_col, mask=mask, other=0.0))
+    tl.store(hi_ptr + r * stride_out_row + c, hi, mask=mask)
+    tl.store(lo_ptr + r * stride_out_row + c, lo, mask=mask)
+
+
+def split_tf32(t: Tensor) -> tuple[Tensor, Tensor]:
+    """(hi, lo) with t == hi + lo exactly and hi representable in tf32, from a 2-D t of any strides: in
+    row-major buffers of t's rows and its columns rounded up to SPLIT_ROW_ALIGNMENT, whose first
+    columns hold the halves (`hi[:, :cols] + lo[:, :cols] == t`). A weight gradient's split operand has
+    the batch as its columns; padded, its row stride is divisible by 16 for every batch size, so the GEMM
+    reading it compiles once and loads it vectorized. The buffers are returned whole, not as views of
+    t's width: a view's contiguity check on a symbolic batch would guard on batch % 16 and recompile
+    the graph when it changes (seen on an H100)."""
+    rows, cols = t.shape
+    stride = split_row_stride(cols)
+    hi = torch.empty((rows, stride), device=t.device, dtype=t.dtype)
+    lo = torch.empty((rows, stride), device=t.device, dtype=t.dtype)
+    block = 64
+    grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
+    launch(_tf32_split_kernel)[grid](t, hi, lo, rows, cols, t.stride(0), t.stride(1), stride,
+                                     BLOCK_ROWS=block, BLOCK_COLS=block)
+    return hi, lo
