@@ -19,6 +19,17 @@ def pytest_configure(config):
     purpose expect the warning (pytest.warns). Added here rather than in pyproject.toml: pytest imports
     a filter's category when it reads the ini file, before this file sets TRITON_INTERPRET."""
     config.addinivalue_line("filterwarnings", "error::fusepass.FusepassFallbackWarning")
+    if getattr(config.option, "maxschedchunk", "no xdist") is None:
+        config.option.maxschedchunk = 1
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow run first: with -n N the longest then start at once instead of ending the run
+    alone (on an H100 the CUDA suite's DINO test took 99 s of its 252, started late). pytest-xdist hands
+    each worker a chunk of consecutive tests at first, which would give one worker all of them: workers
+    here take one test at a time (--maxschedchunk, unless given; set in pytest_configure, where the
+    controller reads it)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(autouse=True)

@@ -24,6 +24,7 @@ def _mlp_steps(device, *, steps=3, batch=48, autocast_dtype=None, options=None, 
     trio.finish()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_mlp_last_layer_is_rewritten_and_matches_eager_by_float64_criterion(device):
     _mlp_steps(device)
@@ -105,6 +106,7 @@ def test_linear_feeding_a_chain_and_fed_by_one_is_rewritten_once_each():
     assert_fused(rewrites=2 * 2, graphs=2, linears=2)
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_batch_past_the_split_copy_limit_trains_its_weight_gradients_on_cublas(monkeypatch):
@@ -125,6 +127,7 @@ def test_a_batch_past_the_split_copy_limit_trains_its_weight_gradients_on_cublas
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_mlp_training_on_cuda_with_tuning(mode, monkeypatch):
     """Every candidate GEMM timed and chosen for real; in reduce-overhead mode the training steps

@@ -332,6 +332,7 @@ def test_a_tf32_training_step_keeps_tf32_in_its_backward():
     assert torch.get_float32_matmul_precision() == "highest"
 
 
+@pytest.mark.slow
 def test_shape_changes_mode_times_every_step_of_each_provider(tmp_path, capsys):
     """--batch-sequence: each provider in a process of its own, every step's wall time, the counters."""
     out_json = tmp_path / "shapes.json"

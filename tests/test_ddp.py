@@ -20,6 +20,7 @@ def spawn(fn, tmp_path, *args, world_size: int = 2) -> None:
     mp.spawn(fn, args=(world_size, str(tmp_path / "init"), *args), nprocs=world_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_ddp_fuses_every_chain(device, tmp_path):
     """Under DDPOptimizer a bucket cut would fall inside the second chain; fusepass keeps it whole. Also
@@ -35,6 +36,7 @@ def test_without_fusepass_the_bucket_cut_falls_inside_a_chain(tmp_path):
 ROWS_PER_RANK = [(20, 13), (33, 0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_sync_batch_norm_chains_fuse_and_match_batch_norm_over_the_global_batch(device, tmp_path):
     """In fp32 and under bf16 autocast, for each split of the batch (one spawn runs every case)."""
@@ -42,6 +44,7 @@ def test_sync_batch_norm_chains_fuse_and_match_batch_norm_over_the_global_batch(
     spawn(workers.sync_batch_norm_chains, tmp_path, device, cases)
 
 
+@pytest.mark.slow
 def test_sync_batch_norm_synchronizes_within_its_process_group(tmp_path):
     spawn(workers.sync_batch_norm_in_subgroups, tmp_path, world_size=4)
 
@@ -51,6 +54,7 @@ def test_sync_batch_norm_without_peers_is_a_batch_norm_chain(joins_a_group, tmp_
     spawn(workers.sync_batch_norm_without_peers, tmp_path, joins_a_group, world_size=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_lone_sync_batch_norm_runs_its_own_op_and_keeps_eagers_errors(device, tmp_path):
     """fp32 and float64, for each split of the batch; BatchNorm2d input (statistics per channel over the

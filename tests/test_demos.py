@@ -42,6 +42,7 @@ def test_quickstart_prints_no_warnings():
     assert noisy == [], err[-3000:]
 
 
+@pytest.mark.slow
 def test_compare_runs_every_problem_shrunk():
     out, _ = run_demo("compare.py")
     assert "--shrink 32" in out and "WRONG" not in out
@@ -64,6 +65,7 @@ def test_explain_and_dump():
     assert "torch.ops.fusepass.batch_norm_chain.default" in out
 
 
+@pytest.mark.slow
 def test_ddp_train_demo_runs_under_torchrun_on_cpu(tmp_path):
     """demos/ddp_train.py with two gloo ranks, shrunk: fused counts per rank and a JSON of step times."""
     out = tmp_path / "ddp.json"

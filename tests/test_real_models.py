@@ -45,6 +45,7 @@ def test_real_model_trains_like_eager_on_cpu(system):
 
 @requires_cuda
 @pytest.mark.cuda
+@pytest.mark.slow
 @pytest.mark.parametrize("system", sorted(SYSTEMS))
 def test_real_model_trains_like_eager_on_cuda(system):
     """Batch 1024 per view or crop, widths 1024-4096 (DINO's head 2048 -> 4096 -> 1024 -> 2048)."""

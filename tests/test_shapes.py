@@ -39,6 +39,7 @@ def fused_chain():
     return make
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_batch_sizes_change_without_recompiles(fused_chain, device):
     """Training, then eval, over changing sizes: the first size compiles static, the second a graph with a
@@ -51,6 +52,7 @@ def test_batch_sizes_change_without_recompiles(fused_chain, device):
     assert_fused(rewrites=4, graphs=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_dynamic_true_keeps_every_rewrite(fused_chain, device):
     """torch.compile(dynamic=True): symbolic from the first call, the chain fused. Training compiles one
@@ -142,6 +144,7 @@ print(json.dumps(dict(counters["fusepass"])))
 
 @requires_cuda
 @pytest.mark.cuda
+@pytest.mark.slow
 def test_a_second_process_tunes_nothing(tuned):
     env = {**os.environ, tuning.TUNE_ENV: "1", tuning.CACHE_DIR_ENV: str(tuned)}
     root = os.path.dirname(os.path.dirname(__file__))

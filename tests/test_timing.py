@@ -197,6 +197,7 @@ def test_bad_option_value():
 
 @pytest.mark.cuda
 @requires_cuda
+@pytest.mark.slow
 def test_on_cuda_both_are_timed_and_the_model_stays_exact(monkeypatch):
     monkeypatch.setenv(tuning.TUNE_ENV, "1")
     timed_before = set(tuning.TUNER.timings)
