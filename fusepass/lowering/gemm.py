@@ -71,8 +71,9 @@ class GemmConfig:
 
 
 class GemmMeta(NamedTuple):
-    """The GEMM kernel's meta-parameters, passed as one constexpr tuple (META) in this order, which the
-    kernel unpacks by position: as parameters of their own they would take it to 43 arguments."""
+    """The GEMM kernel's meta-parameters but the tail program, passed as one constexpr tuple (META) in
+    this order, which the kernel unpacks by position: as parameters of their own they would take it to
+    42 arguments. Scalars only: triton 3.6 fails to take a nested tuple out of a constexpr tuple."""
     precision: int
     epilogue: int
     store_y: bool
@@ -81,7 +82,6 @@ class GemmMeta(NamedTuple):
     scale_mode: int
     has_gamma: bool
     has_beta: bool
-    tail: tuple  # pointwise.tail_program's
     block_m: int
     block_n: int
     block_k: int
@@ -209,16 +209,17 @@ def _gemm_kernel(
     scale_ptr, running_mean_ptr, running_var_ptr, gamma_ptr, beta_ptr,
     # pointers: the pointwise tail's tensor operands
     tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3,
-    # pointers: outputs (part_stats: the row tiles' means, then their M2s, as normalize.Partials)
-    y_ptr, out_ptr, part_stats_ptr, mean_ptr, invstd_ptr,
+    # pointers: outputs. epilogue_out: EPILOGUE_NORMALIZE's normalized output, or EPILOGUE_STATISTICS'
+    # row tiles' means then M2s (normalize.Partials); one slot, as no epilogue writes both.
+    y_ptr, epilogue_out_ptr, mean_ptr, invstd_ptr,
     # sizes; this launch's N columns are y's columns y_col0 on (a block of W's rows, run_linear)
     M, N, K, y_col0,
     # strides (of the operands, and y's rows; out is row-major, N wide)
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym,
     # scalars
     scale_value, eps,
-    # meta-parameters (GemmMeta)
-    META: tl.constexpr,
+    # meta-parameters: GemmMeta's, and the tail program (pointwise.tail_program)
+    META: tl.constexpr, TAIL: tl.constexpr,
 ):
     PRECISION: tl.constexpr = META[0]
     EPILOGUE: tl.constexpr = META[1]
@@ -228,12 +229,11 @@ def _gemm_kernel(
     SCALE_MODE: tl.constexpr = META[5]
     HAS_GAMMA: tl.constexpr = META[6]
     HAS_BETA: tl.constexpr = META[7]
-    TAIL: tl.constexpr = META[8]
-    BLOCK_M: tl.constexpr = META[9]
-    BLOCK_N: tl.constexpr = META[10]
-    BLOCK_K: tl.constexpr = META[11]
-    GROUP_M: tl.constexpr = META[12]
-    USE_TMA: tl.constexpr = META[13]
+    BLOCK_M: tl.constexpr = META[8]
+    BLOCK_N: tl.constexpr = META[9]
+    BLOCK_K: tl.constexpr = META[10]
+    GROUP_M: tl.constexpr = META[11]
+    USE_TMA: tl.constexpr = META[12]
     # Grouped tile order: GROUP_M row tiles share each W column tile while it is in L2.
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -304,8 +304,8 @@ def _gemm_kernel(
     if EPILOGUE == EPILOGUE_STATISTICS:
         count = tl.minimum(M - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
         tile_mean, tile_m2 = tile_column_stats(y * s[None, :], row_mask, count)
-        tl.store(part_stats_ptr + pid_m * N + cols, tile_mean, mask=col_mask)
-        tl.store(part_stats_ptr + (num_pid_m + pid_m) * N + cols, tile_m2, mask=col_mask)
+        tl.store(epilogue_out_ptr + pid_m * N + cols, tile_mean, mask=col_mask)
+        tl.store(epilogue_out_ptr + (num_pid_m + pid_m) * N + cols, tile_m2, mask=col_mask)
     if EVAL_STATS:
         mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         invstd = inverse_std(tl.load(running_var_ptr + cols, mask=col_mask, other=1.0).to(tl.float32), eps)
@@ -315,7 +315,8 @@ def _gemm_kernel(
         if EPILOGUE == EPILOGUE_NORMALIZE:
             u = batch_norm_tile(y, s, mean, invstd, gamma_ptr, beta_ptr, cols, col_mask, HAS_GAMMA, HAS_BETA)
             u = apply_tail(u, cols, col_mask, (tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3), TAIL)
-            tl.store(out_ptr + rows[:, None] * N + cols[None, :], u.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(epilogue_out_ptr + rows[:, None] * N + cols[None, :], u.to(epilogue_out_ptr.dtype.element_ty),
+                     mask=mask)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -409,7 +410,7 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
         *operands, opt(bias),
         opt(scale_before.tensor), opt(bn and bn.running_mean), opt(bn and bn.running_var),
         opt(bn and bn.weight), opt(bn and bn.bias), *(opt(t) for t in tail.tensors),
-        y, opt(out), part_stats, opt(eval_norm and eval_norm.mean), opt(eval_norm and eval_norm.invstd),
+        y, out if normalizes else part_stats, opt(eval_norm and eval_norm.mean), opt(eval_norm and eval_norm.invstd),
         m, n, k, y_col0,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
         scale_before.value, bn.eps if bn else 0.0,
@@ -418,9 +419,9 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
             epilogue=epilogue, store_y=store_y, eval_stats=eval_norm is not None,
             has_bias=bias is not None, scale_mode=scale_before.mode,
             has_gamma=bn is not None and bn.weight is not None, has_beta=bn is not None and bn.bias is not None,
-            tail=pointwise.tail_program(tail.program, tail.tensors),
             block_m=config.block_m, block_n=config.block_n, block_k=config.block_k, group_m=config.group_m,
             use_tma=config.tma)),
+        TAIL=pointwise.tail_program(tail.program, tail.tensors),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return GemmOutputs(y, out, part_stats if statistics else None, n_parts,

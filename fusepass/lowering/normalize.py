@@ -164,15 +164,14 @@ def merges_in_output_pass(n_rows: int, n_cols: int, n_parts: int, y_element_size
 
 
 class OutputMeta(NamedTuple):
-    """The output kernels' meta-parameters, passed as one constexpr tuple (META) in this order, which the
-    kernels unpack by position: with each a parameter of its own they would take 33 and 34 arguments.
-    `tail` is pointwise.tail_program's; `accurate_exp` is the softmax kernel's alone."""
+    """The output kernels' meta-parameters but the tail program, passed as one constexpr tuple (META) in
+    this order, which the kernels unpack by position: with each a parameter of its own they would take
+    33 and 34 arguments. Scalars only (gemm.GemmMeta says why); `accurate_exp` is the softmax kernel's."""
     scale_mode: int
     has_gamma: bool
     has_beta: bool
     stats_source: int
     update_running: bool
-    tail: tuple
     block_r: int
     block_c: int
     accurate_exp: bool = True
@@ -198,16 +197,16 @@ def output_pass(y: Tensor, args: ChainArgs, stats: Statistics, out: Tensor,
     meta = OutputMeta(scale_mode=s1.mode, has_gamma=bn.weight is not None, has_beta=bn.bias is not None,
                       stats_source=stats.source,
                       update_running=stats.source == STATS_MERGE.value and bn.updates_running_stats,
-                      tail=pointwise.tail_program(args.tail.program, args.tail.tensors),
                       block_r=NORM_BLOCK_R, block_c=NORM_BLOCK_C)
+    tail = pointwise.tail_program(args.tail.program, args.tail.tensors)
     if args.softmax:
         meta = meta._replace(block_r=softmax_launch.block_r, block_c=softmax_launch.block_c(n_cols),
                              accurate_exp=not INTERPRETED)
         launch(normalize_softmax_kernel)[(triton.cdiv(n_rows, softmax_launch.block_r),)](
-            *kernel_args, META=tuple(meta), num_warps=softmax_launch.warps(n_cols))
+            *kernel_args, META=tuple(meta), TAIL=tail, num_warps=softmax_launch.warps(n_cols))
     else:
         launch(normalize_kernel)[(triton.cdiv(n_rows, NORM_BLOCK_R), triton.cdiv(n_cols, NORM_BLOCK_C))](
-            *kernel_args, META=tuple(meta))
+            *kernel_args, META=tuple(meta), TAIL=tail)
     return out
 
 

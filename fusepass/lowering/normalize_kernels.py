@@ -31,7 +31,7 @@ STATS_RUNNING = tl.constexpr(2)
 # (part_stats, running_mean, running_var, mean, invstd, new_running_mean, new_running_var). part_stats holds
 # the strips' means, then their M2s, each n_parts x n_cols row-major: one pointer, so that the kernels stay
 # within 30 arguments (wrap_triton tracks tensors only as top-level arguments; pointer tuples are out).
-# The output kernels take their meta-parameters as one constexpr tuple, META (normalize.OutputMeta).
+# The output kernels take their meta-parameters as one constexpr tuple, META (normalize.OutputMeta), and TAIL.
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -201,8 +201,8 @@ def normalize_kernel(
     stride_yr, stride_yc, stride_or, stride_oc,
     # scalars
     scale_value, momentum, eps,
-    # meta-parameters (normalize.OutputMeta)
-    META: tl.constexpr,
+    # meta-parameters: normalize.OutputMeta's, and the tail program (pointwise.tail_program)
+    META: tl.constexpr, TAIL: tl.constexpr,
 ):
     """out = tail((y * s1 - mean) * invstd * gamma + beta), stored in out's dtype."""
     params = (y_ptr, scale_ptr, gamma_ptr, beta_ptr)
@@ -212,9 +212,8 @@ def normalize_kernel(
     HAS_BETA: tl.constexpr = META[2]
     STATS_SOURCE: tl.constexpr = META[3]
     UPDATE_RUNNING: tl.constexpr = META[4]
-    TAIL: tl.constexpr = META[5]
-    BLOCK_R: tl.constexpr = META[6]
-    BLOCK_C: tl.constexpr = META[7]
+    BLOCK_R: tl.constexpr = META[5]
+    BLOCK_C: tl.constexpr = META[6]
     stats = (part_stats_ptr, running_mean_ptr, running_var_ptr,
              mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr)
     pid_r = tl.program_id(0)
@@ -244,8 +243,8 @@ def normalize_softmax_kernel(
     stride_yr, stride_yc, stride_or, stride_oc,
     # scalars
     scale_value, momentum, eps,
-    # meta-parameters (normalize.OutputMeta)
-    META: tl.constexpr,
+    # meta-parameters: normalize.OutputMeta's, and the tail program (pointwise.tail_program)
+    META: tl.constexpr, TAIL: tl.constexpr,
 ):
     """out = softmax(tail(u), dim=-1) for BLOCK_R whole rows of any length: an online max/sum sweep over
     the columns, then a sweep that writes exp(u - max) / sum. fp32 throughout."""
@@ -256,10 +255,9 @@ def normalize_softmax_kernel(
     HAS_BETA: tl.constexpr = META[2]
     STATS_SOURCE: tl.constexpr = META[3]
     UPDATE_RUNNING: tl.constexpr = META[4]
-    TAIL: tl.constexpr = META[5]
-    BLOCK_R: tl.constexpr = META[6]
-    BLOCK_C: tl.constexpr = META[7]
-    ACCURATE_EXP: tl.constexpr = META[8]
+    BLOCK_R: tl.constexpr = META[5]
+    BLOCK_C: tl.constexpr = META[6]
+    ACCURATE_EXP: tl.constexpr = META[7]
     stats = (part_stats_ptr, running_mean_ptr, running_var_ptr,
              mean_ptr, invstd_ptr, new_running_mean_ptr, new_running_var_ptr)
     pid_r = tl.program_id(0)

@@ -48,15 +48,15 @@ def _compile(kernel, constexprs: dict, pointer_type: str = "*fp32") -> None:
 
 def _output_meta(source, tail) -> dict:
     return dict(META=tuple(OutputMeta(scale_mode=SCALE_PER_FEATURE.value, has_gamma=True, has_beta=True,
-                                      stats_source=source.value, update_running=source == STATS_MERGE, tail=tail,
-                                      block_r=32, block_c=64)))
+                                      stats_source=source.value, update_running=source == STATS_MERGE,
+                                      block_r=32, block_c=64)), TAIL=tail)
 
 
 def _gemm_meta(precision: str, epilogue, tail) -> dict:
     return dict(META=tuple(gemm.GemmMeta(
         precision=gemm.PRECISIONS[precision].value, epilogue=epilogue.value, store_y=True,
         eval_stats=epilogue == gemm.EPILOGUE_NORMALIZE, has_bias=True, scale_mode=SCALE_NUMBER.value,
-        has_gamma=True, has_beta=False, tail=tail, block_m=64, block_n=64, block_k=32, group_m=8, use_tma=False)))
+        has_gamma=True, has_beta=False, block_m=64, block_n=64, block_k=32, group_m=8, use_tma=False)), TAIL=tail)
 
 
 def cases() -> dict:
