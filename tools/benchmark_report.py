@@ -233,18 +233,6 @@ def run(only: Optional[list[str]], out_dir: Path, dry_run: bool = False) -> None
 
 # --------------------------------------------------------------------------- results as rows
 
-# N, K, F of problem names from JSON that records no size (bench versions before --size).
-KNOWN_SIZES = {
-    "gemm_scale_batchnorm": (16384, 4096, 4096),
-    "gemm_scale_batchnorm_1024": (1024, 8192, 8192),
-    "gemm_batchnorm_scale_softmax": (1024, 8192, 8192),
-    "gemm_scale_batchnorm_small": (128, 1024, 512),
-    "gemm_batchnorm_scale_softmax_small": (128, 1024, 512),
-}
-# The problem files those names came from, now run with --size.
-OLD_FILE_NAMES = {"gemm_scale_batchnorm_1024": "gemm_scale_batchnorm",
-                  "gemm_scale_batchnorm_small": "gemm_scale_batchnorm",
-                  "gemm_batchnorm_scale_softmax_small": "gemm_batchnorm_scale_softmax"}
 SMALL_SIZE = (128, 1024, 512)
 MODES = ("train", "eval")
 PRECISIONS = ("fp32", "tf32", "bf16-autocast", "fp16-autocast")
@@ -298,15 +286,11 @@ def result_size(result: dict, config: dict) -> Optional[tuple[int, int, int]]:
     if result.get("size"):
         return tuple(result["size"])
     match = re.fullmatch(r".*@(\d+)x(\d+)x(\d+)", result["problem"])
-    if match:
-        return tuple(int(n) for n in match.groups())
-    shrunk = (config.get("shrink") or 1) > 1  # a shrunk problem's size is not the name's
-    return None if shrunk else KNOWN_SIZES.get(result["problem"])
+    return tuple(int(n) for n in match.groups()) if match else None
 
 
 def problem_file_name(name: str) -> str:
-    base = name.split("@")[0]
-    return OLD_FILE_NAMES.get(base, base)
+    return name.split("@")[0]
 
 
 def measure_of(source: Source, size: Optional[tuple]) -> str:
