@@ -12,6 +12,7 @@ from torch._inductor import config as inductor_config
 
 from fusepass.families import FAMILIES
 from fusepass.families.bare_linear import FAMILY as BARE_LINEAR
+from fusepass.lowering.launch import OPAQUE_ENV
 from fusepass.lowering.schema import KernelOptions
 from fusepass.lowering.tuning import source_hash
 
@@ -109,11 +110,13 @@ def _launch_fused_kernels_statically(patches: dict[str, Any]) -> None:
 
 def _key_caches_on_fusepass_source(patches: dict[str, Any]) -> None:
     """Inductor's caches know the fused op by name only, not its Python kernels or backward formula:
-    key them on fusepass's source, so a changed fusepass never reuses a stale compiled graph."""
+    key them on fusepass's source, so a changed fusepass never reuses a stale compiled graph, and on
+    FUSEPASS_OPAQUE, which decides inside the op's traced body whether its kernels enter the graph (a
+    process with it loaded graphs compiled without it, and the reverse)."""
     key = "unsafe_marked_cacheable_functions"
     if key in inductor_config.get_config_copy():
         marked = dict(patches.get(key, inductor_config.get_config_copy()[key]))
-        marked["torch.ops.fusepass"] = source_hash()
+        marked["torch.ops.fusepass"] = source_hash() + (" opaque" if os.environ.get(OPAQUE_ENV) else "")
         patches[key] = marked
 
 

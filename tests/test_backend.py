@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 import fusepass.backend
 import fusepass.lowering.op as lowering
 from fusepass.backend import FusepassFallbackWarning
+from fusepass.lowering.tuning import source_hash
 from tests.chains import (DEVICES, Between, ChainModel, SecondUser, ThreeD, Trio, assert_fused,
                           assert_no_further_from_float64, fusepass_counts, make_input)
 
@@ -457,6 +458,21 @@ def test_fused_kernels_launch_statically_unless_the_user_says_otherwise(monkeypa
     torch.compile(ChainModel(), backend="fusepass",
                   options={"static_launch_user_defined_triton_kernels": False})(make_input(6, 32))
     assert [call["static_launch_user_defined_triton_kernels"] for call in calls] == [True, False]
+
+
+def test_inductor_caches_are_keyed_on_fusepass_source_and_opaque_mode(monkeypatch):
+    """FUSEPASS_OPAQUE changes what the op's traced body puts in the graph, where Inductor's cache keys
+    cannot see it: the key carries it, so a graph compiled in one mode is never loaded in the other."""
+    if "unsafe_marked_cacheable_functions" not in torch._inductor.config.get_config_copy():
+        pytest.skip("this torch's Inductor has no unsafe_marked_cacheable_functions")
+    calls = _capture_compile_fx(monkeypatch)
+    monkeypatch.delenv("FUSEPASS_OPAQUE", raising=False)
+    torch.compile(ChainModel(), backend="fusepass")(make_input(6, 32))
+    torch._dynamo.reset()
+    monkeypatch.setenv("FUSEPASS_OPAQUE", "1")
+    torch.compile(ChainModel(), backend="fusepass")(make_input(6, 32))
+    traced, opaque = (call["unsafe_marked_cacheable_functions"]["torch.ops.fusepass"] for call in calls)
+    assert traced == source_hash() and opaque != traced and opaque.startswith(source_hash())
 
 
 def test_unknown_option_lists_the_valid_ones():

@@ -18,8 +18,7 @@ from torch.library import wrap_triton
 from torch.utils._python_dispatch import _disable_current_modes
 
 # Set (to anything) to keep fusepass's ops opaque to torch.compile on CUDA too (for comparisons). Read
-# inside the op's traced body, which Inductor's cache key does not cover: a process that sets it needs
-# a TORCHINDUCTOR_CACHE_DIR of its own, or it may load a graph compiled without it (and the reverse).
+# inside the op's traced body, which Inductor's cache keys do not cover: options.py adds it to them.
 OPAQUE_ENV = "FUSEPASS_OPAQUE"
 _MODE_KEYS = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
               torch._C._TorchDispatchModeKey.FUNCTIONAL)
