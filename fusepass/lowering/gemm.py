@@ -32,6 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusepass.lowering import limits, pointwise
 from fusepass.lowering.launch import launch, present_or_placeholder, unused_pointer
+from fusepass.lowering.normalize import Partials
 from fusepass.lowering.pointwise import apply_tail
 from fusepass.lowering.schema import BatchNorm, Linear, Scale, Tail
 from fusepass.lowering.tf32_split import split_row_stride, split_tf32, tf32_split
@@ -326,9 +327,7 @@ def _gemm_kernel(
 class GemmOutputs:
     y: Tensor                  # the linear output (empty when not stored)
     out: Optional[Tensor]      # EPILOGUE_NORMALIZE: the op's output
-    part_stats: Optional[Tensor]  # EPILOGUE_STATISTICS: row tiles' means, then M2s, flat (normalize.Partials)
-    n_parts: int
-    rows_per_part: int
+    parts: Optional[Partials]  # EPILOGUE_STATISTICS: each row tile's means and M2s
 
 
 @dataclass(frozen=True)
@@ -382,9 +381,8 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
         weight = weight.contiguous()
     normalizes = epilogue == EPILOGUE_NORMALIZE.value
     out = torch.empty((m, n), device=device, dtype=eval_norm.out_dtype) if normalizes else None
-    statistics = epilogue == EPILOGUE_STATISTICS.value
-    n_parts = triton.cdiv(m, config.block_m) if statistics else 0
-    part_stats = torch.empty(2 * n_parts * n, device=device, dtype=torch.float32)
+    parts = (Partials.allocate(triton.cdiv(m, config.block_m), config.block_m, n, device)
+             if epilogue == EPILOGUE_STATISTICS.value else None)
     placeholder = unused_pointer(device)
 
     def opt(t: Optional[Tensor]) -> Tensor:
@@ -410,7 +408,8 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
         *operands, opt(bias),
         opt(scale_before.tensor), opt(bn and bn.running_mean), opt(bn and bn.running_var),
         opt(bn and bn.weight), opt(bn and bn.bias), *(opt(t) for t in tail.tensors),
-        y, out if normalizes else part_stats, opt(eval_norm and eval_norm.mean), opt(eval_norm and eval_norm.invstd),
+        y, opt(out if normalizes else parts and parts.stats),
+        opt(eval_norm and eval_norm.mean), opt(eval_norm and eval_norm.invstd),
         m, n, k, y_col0,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
         scale_before.value, bn.eps if bn else 0.0,
@@ -424,8 +423,7 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
         TAIL=pointwise.tail_program(tail.program, tail.tensors),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return GemmOutputs(y, out, part_stats if statistics else None, n_parts,
-                       config.block_m)
+    return GemmOutputs(y, out, parts)
 
 
 def _descriptor(t: Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> TensorDescriptor:

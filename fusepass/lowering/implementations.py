@@ -21,7 +21,7 @@ from torch import Tensor
 
 from fusepass.lowering import gemm, limits
 from fusepass.lowering.launch import tracing
-from fusepass.lowering.normalize import Partials, Statistics, normalize_linear_output, normalize_training, output_pass
+from fusepass.lowering.normalize import Statistics, normalize_linear_output, normalize_training, output_pass
 from fusepass.lowering.schema import ChainArgs, ChainOutputs, flatten
 
 
@@ -61,7 +61,7 @@ def on_triton_gemm(args: ChainArgs, precision: str, config: gemm.GemmConfig) -> 
     if bn.training:
         g = gemm.run_gemm(args.linear, epilogue=gemm.EPILOGUE_STATISTICS.value, **run)
         out = _output_buffer(g.y, args)
-        normalize_training(g.y, Partials(g.part_stats, g.n_parts, g.rows_per_part), stats, args, out)
+        normalize_training(g.y, g.parts, stats, args, out)
     elif args.softmax:
         eval_norm = gemm.EvalNormalization(bn, stats.mean, stats.invstd)
         g = gemm.run_gemm(args.linear, epilogue=gemm.EPILOGUE_LINEAR.value, eval_norm=eval_norm, **run)

@@ -72,8 +72,8 @@ def test_statistics_epilogue_per_row_tile(scale):
     z = out.y.double() * (args.scale_before.tensor.double() if args.scale_before.tensor is not None
                           else args.scale_before.value)
     tiles = z.split(SMALL.block_m)
-    assert out.n_parts == len(tiles) and out.rows_per_part == SMALL.block_m
-    part_mean, part_m2 = out.part_stats.view(2, len(tiles), 19).unbind(0)
+    assert out.parts.n_parts == len(tiles) and out.parts.rows_per_part == SMALL.block_m
+    part_mean, part_m2 = out.parts.mean_and_m2(19)
     torch.testing.assert_close(part_mean.double(), torch.stack([t.mean(0) for t in tiles]), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(part_m2.double(), torch.stack([((t - t.mean(0)) ** 2).sum(0) for t in tiles]),
                                rtol=1e-4, atol=1e-4)
