@@ -64,27 +64,6 @@ def pre_split_precision(x_elements: int, weight_elements: int) -> str:
     return "split_x" if x_elements < weight_elements else "split_w"
 
 
-def triton_precisions(precision: str, x_elements: int, weight_elements: int) -> tuple[list[str], list[str]]:
-    """The Triton GEMM precisions a search times, the default first, and those it times instead where
-    none of them can launch. 3xTF32 starts with the smaller operand split in memory, which ran the chain
-    1.9x as fast as the split in registers (H100, fp32 training: 0.41 against 0.79 ms at 1024 x 4096 ->
-    4096, 1.58 against 3.02 at 1024 x 8192 -> 8192, 6.45 against 11.85 at 16384 x 4096 -> 4096); a
-    short search compiles the split in registers only where no pre-split kernel can launch."""
-    if precision != "tf32x3":
-        return [precision], []
-    pre_split = pre_split_precision(x_elements, weight_elements)
-    if tuning.search() == "full":
-        return [pre_split, precision], []
-    return [pre_split], [precision]
-
-
-def cublas_first(precision: str) -> bool:
-    """Whether cuBLAS is the default candidate (what runs when nothing is timed): for TF32 and bf16/fp16,
-    where fusepass's Triton GEMM ran the chain 2.4-4.4x slower than on cuBLAS (H100, 1024 x 8192 -> 8192
-    and 16384 x 4096 -> 4096). Not for 3xTF32, which cuBLAS lacks (its IEEE fp32 ran 1.7x slower)."""
-    return precision in ("tf32", "native")
-
-
 def cublas_traceable(precision: str) -> bool:
     """A traced F.linear becomes Inductor's matmul, which follows torch's global TF32 flag when it runs:
     right only where that flag already gives the precision asked for."""
@@ -131,25 +110,20 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
     (rows,), in_features, out_features = problem.sizes, hint(x.shape[1]), hint(args.n_features)
     precision = matmul_precision(x.dtype, args.kernel.fp32_matmul)
     choice = _gemm_choice(args)
-    triton: dict[str, Implementation] = {}
-    offers_triton = choice in ("auto", "triton") and precision != "ieee"
-    if offers_triton:
+    found = {}
+    if choice in ("auto", "triton") and precision != "ieee":
+        precisions = [precision]
+        if precision == "tf32x3":
+            precisions.append(pre_split_precision(rows * in_features, out_features * in_features))
         # Traced, no TMA configs: torch does not capture TMA descriptors when it traces a wrap_triton
         # launch outside Dynamo ("not yet supported", torch 2.13's triton_kernel_wrap.py), and the
         # operands' addresses (so their alignment) are not known yet.
-        for precisions in triton_precisions(precision, rows * in_features, out_features * in_features):
-            for p, config in triton_configs(precisions, x.dtype, rows, out_features, x.device, tma=not traced):
-                impl = Implementation(p, config)
-                if impl.unlaunchable(args) is None:
-                    triton[impl.name] = impl
-            if triton:
-                break
-    cublas = {}
-    if (choice in ("auto", "cublas") or not offers_triton) and (not traced or cublas_traceable(precision)):
-        impl = Implementation(precision)
-        if impl.unlaunchable(args) is None:
-            cublas["cublas"] = impl
-    return {**cublas, **triton} if cublas_first(precision) else {**triton, **cublas}
+        for p, config in triton_configs(precisions, x.dtype, rows, out_features, x.device, tma=not traced):
+            impl = Implementation(p, config)
+            found[impl.name] = impl
+    if (choice in ("auto", "cublas") or not found) and (not traced or cublas_traceable(precision)):
+        found["cublas"] = Implementation(precision)
+    return {name: impl for name, impl in found.items() if impl.unlaunchable(args) is None}
 
 
 def stand_ins(args: ChainArgs) -> ChainArgs:

@@ -109,12 +109,11 @@ def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
 
 
 def shortlist(configs: list[GemmConfig], m: int, n: int, device: torch.device) -> list[GemmConfig]:
-    """The configs a short search times: the first and its TMA twin, and the smallest tiles where the
-    first's would give fewer programs than the GPU has SMs (measured at 128 x 1024 -> 512 on an H100: 16
-    tiles of 128 x 128 for 132 SMs). Not the first's tile shape at another pipeline depth: within 1-2%
-    of it (H100, pre-split 3xTF32 at the seed shapes), for a compile of its own."""
+    """The configs a short search times: those with the first's tile shape (its pipeline depths and TMA
+    twin), and the smallest tiles where the first's would give fewer programs than the GPU has SMs
+    (measured at 128 x 1024 -> 512 on an H100: 16 tiles of 128 x 128 for 132 SMs)."""
     first = configs[0]
-    chosen = [c for c in configs if c in (first, first.with_tma())]
+    chosen = [c for c in configs if (c.block_m, c.block_n, c.block_k) == (first.block_m, first.block_n, first.block_k)]
     if triton.cdiv(m, first.block_m) * triton.cdiv(n, first.block_n) < sm_count(device):
         smallest = min(configs, key=lambda c: c.block_m * c.block_n)
         chosen += [c for c in configs if c.block_m * c.block_n == smallest.block_m * smallest.block_n

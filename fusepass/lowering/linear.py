@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fusepass.lowering import gemm, limits, tuning
-from fusepass.lowering.choice import (cublas_first, cublas_traceable, gemm_option, matmul_precision,
-                                      triton_configs, triton_precisions)
+from fusepass.lowering.choice import (cublas_traceable, gemm_option, matmul_precision, pre_split_precision,
+                                      triton_configs)
 from fusepass.lowering.implementations import cublas_precision
 from fusepass.lowering.launch import hint
 from fusepass.lowering.schema import KernelOptions, Linear
@@ -203,34 +203,35 @@ def _gemm_sizes(call: LinearCall, problem: Optional[Problem] = None) -> tuple[in
 
 
 def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, LinearImplementation]:
-    """Every way to run this linear that the tuner's search times (tuning.search), the default first
-    (choice.cublas_first): the Triton GEMM in the call's precision (3xTF32 as choice.triton_precisions
-    says) where it can launch for these operands (limits.py), and cuBLAS at the same precision where it
-    can run traced. Never empty untraced: cuBLAS always runs.
+    """Every way to run this linear that the tuner's search times (tuning.search), the default first: the
+    Triton GEMM in the call's precision (in fp32 3xTF32 also with the smaller operand split in memory),
+    where it can launch for these operands (limits.py), and cuBLAS at the same precision where it can
+    run traced. Never empty untraced: cuBLAS always runs.
 
-    For operands whose K is not contiguous (a backward's transposed views) the pre-split 3xTF32 reads
-    the split operand K-major from memory: 88-102 TFLOP/s on an H100 where 3xTF32 split in registers
-    made 39 (tools/tune_linear.py at 1024 x 8192 -> 8192 and 16384 x 4096 -> 4096). The full search also
-    times the GEMM on K-major copies of such operands."""
+    Operands whose K is not contiguous (a backward's transposed views) start with the pre-split 3xTF32,
+    which reads the split operand K-major from memory: 88-102 TFLOP/s on an H100 where 3xTF32 split in
+    registers made 39 (tools/tune_linear.py at 1024 x 8192 -> 8192 and 16384 x 4096 -> 4096). The full
+    search also times that, and the GEMM on K-major copies of the operands."""
     x, weight = call.x, call.weight
     m, k, n = _gemm_sizes(call, problem)
     precision = _precision(call)
     gemm_choice = gemm_option(x, weight, call.kernel_gemm)
-    triton: list[LinearImplementation] = []
+    search = tuning.search()
+    found: list[LinearImplementation] = []
     if gemm_choice in ("auto", "triton") and precision != "ieee":
-        for precisions in triton_precisions(precision, m * k, n * k):
-            offered = [LinearImplementation(p, config)
-                       for p, config in triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
-            triton = [impl for impl in offered if impl.unlaunchable(call) is None]
-            if triton:
-                break
-        if not (_k_major(x) and _k_major(weight)) and tuning.search() == "full":
-            on_copies = LinearImplementation(precision, gemm.gemm_configs(precision, x.dtype)[0], True)
-            triton += [on_copies] if on_copies.unlaunchable(call) is None else []
-    cublas = []
-    if (gemm_choice in ("auto", "cublas") or not triton) and (not traced or cublas_traceable(precision)):
-        cublas = [LinearImplementation(precision)]
-    found = cublas + triton if cublas_first(precision) else triton + cublas
+        k_major = _k_major(x) and _k_major(weight)
+        precisions = [precision]
+        if precision == "tf32x3":
+            pre_split = pre_split_precision(m * k, n * k)
+            precisions = [precision, pre_split] if k_major else [pre_split] + ([precision] if search == "full" else [])
+        found += [LinearImplementation(p, config) for p, config in
+                  triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
+        if not k_major and search == "full":
+            found.append(LinearImplementation(precision, gemm.gemm_configs(precision, x.dtype)[0], True))
+        found = [impl for impl in found if impl.unlaunchable(call) is None]
+    if gemm_choice in ("auto", "cublas") or not found:
+        if not traced or cublas_traceable(precision):
+            found.append(LinearImplementation(precision))
     return {impl.name: impl for impl in found}
 
 

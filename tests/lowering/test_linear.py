@@ -119,9 +119,9 @@ def test_candidates(traced, search, monkeypatch):
     assert any(n.startswith("triton tf32x3") for n in names) == full
     assert any(n.endswith("on K-major copies") for n in names) == full
     forward = list(_candidates(*_operands("forward", 64, 64, 64, seed=0), traced))
-    assert forward[0].startswith("triton split_") and any(n.startswith("triton tf32x3") for n in forward) == full
+    assert forward[0].startswith("triton tf32x3 ") and any(n.startswith("triton split_") for n in forward)
     assert not any(n.endswith("on K-major copies") for n in forward)
-    assert any(n.endswith(" tma") for n in forward) == (not traced)  # K-major operands, when not traced
+    assert len(forward) > len(names) - full * 2
     assert list(_candidates(a, b, traced, fp32_matmul="ieee")) == ["cublas"]
     assert list(_candidates(a, b, traced, gemm_option="cublas")) == ["cublas"]
     assert "cublas" not in _candidates(a, b, traced, gemm_option="triton")
@@ -132,8 +132,8 @@ def test_short_search_times_fewer_configs_and_small_tiles_only_where_sms_idle():
     cuda = torch.device("cuda")
     many_tiles = gemm.shortlist(configs, 8192, 8192, torch.device("cpu"))
     assert many_tiles == [configs[0], configs[0].with_tma()]
-    split = gemm.gemm_configs("split_x", torch.float32)  # one tile shape at two pipeline depths: the first
-    assert gemm.shortlist(split, 8192, 8192, torch.device("cpu")) == [split[0], split[0].with_tma()]
+    split = gemm.gemm_configs("split_x", torch.float32)  # one tile shape at two pipeline depths: all kept
+    assert gemm.shortlist(split, 8192, 8192, torch.device("cpu")) == split
     if torch.cuda.is_available():
         few_tiles = gemm.shortlist(configs, 128, 512, cuda)
         assert few_tiles[:2] == many_tiles and few_tiles[2].block_m == 64 and len(few_tiles) == 3
