@@ -7,6 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fusepass
+from fusepass.lowering import tuning
 from tests.chains import assert_fused, requires_cuda
 from tests.real_models import CPU_SIZES, CUDA_SIZES, SYSTEMS, DinoHead, TrainingRun
 
@@ -50,6 +51,17 @@ def test_real_model_trains_like_eager_on_cpu(system):
 def test_real_model_trains_like_eager_on_cuda(system):
     """Batch 1024 per view or crop, widths 1024-4096 (DINO's head 2048 -> 4096 -> 1024 -> 2048)."""
     _train_and_evaluate(system, CUDA_SIZES, "cuda", steps=CUDA_STEPS.get(system, 3))
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_moco_v3_trains_like_eager_on_cuda_with_tuning(monkeypatch):
+    """As users run it, every op's implementation timed and chosen: the tuner's choices change the
+    rounding of every step, and one set of them (3xTF32 on 64 x 64 tiles, gemm.gemm_configs) failed
+    here while the untuned test above passed."""
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
+    _train_and_evaluate("moco_v3", CUDA_SIZES, "cuda", steps=CUDA_STEPS["moco_v3"])
 
 
 def test_explain_reports_a_weight_normed_model_and_changes_nothing():
