@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "benchmark_report.py"
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("benchmark_report", TOOL)
+def load_tool(path: Path = TOOL):
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
@@ -193,8 +193,14 @@ def test_help_runs_from_the_repository_root():
 def test_run_commands_match_the_bench_cli(monkeypatch):
     bench = pytest.importorskip("fusepass.bench")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU-only modes' commands parse too
+    bucket_tool = load_tool(report.BUCKET_TOOL)
     for spec in report.SPECS:
         argv = spec.argv(Path("out.json"))
+        if spec.bucket_sizes:
+            assert argv[1] == report.BUCKET_TOOL
+            args = bucket_tool.parser().parse_args(argv[2:])
+            assert (ROOT / args.problem).is_file() and args.json == "out.json" and args.sizes == spec.bucket_sizes
+            continue
         assert argv[1:3] == ["-m", "fusepass.bench"]
         problems, cfg, _ = bench.parse_args(argv[3:])
         assert all((ROOT / p).is_file() for p in problems)
@@ -219,6 +225,21 @@ def test_shape_changes_section_has_every_step_and_the_totals(tmp_path):
     assert table_line(text, "Shape changes", "777")[2:4] == ["2.66", "0.30"]
     assert table_line(text, "Shape changes", "| total")[2:4] == ["7.16", "5.81"]
     assert "shape-changes-train-fp32" not in section_text(text, "Sources")  # not a timing source
+
+
+def test_bucket_vs_exact_table_follows_the_shape_changes_with_both_ratios(tmp_path):
+    row = {"rows": 1024, "static_exact_ms": 1.2, "symbolic_exact_ms": 1.5, "bucketed_ms": 1.44,
+           "inductor_static_ms": 2.0, "inductor_symbolic_ms": 2.1}
+    run = {"problem": "gemm_scale_batchnorm", "size": [1024, 4096, 4096], "mode": "train", "precision": "fp32",
+           "backward": True, "traced_at": 777, "rows": [row]}
+    steady = {"environment": {"device": "NVIDIA H200", "torch": "9.9.0", "triton": "8.8.0",
+                              "date": "2030-01-01T00:00:00+00:00", "command": "python tools/bucket_vs_exact.py"},
+              "bucket_vs_exact": [run]}
+    text = write_report(tmp_path, {"forward-fp32": payload(four_providers()), "bucket-vs-exact-train-fp32": steady})
+    assert "gemm_scale_batchnorm at 1024,4096,4096, train, fp32, symbolic graph traced at 777 rows" in text
+    assert table_line(text, "Shape changes", "| 1024") == ["1024", "1.200", "1.500", "1.440", "0.960", "1.200",
+                                                           "2.000", "2.100"]
+    assert "bucket-vs-exact-train-fp32" not in section_text(text, "Sources")  # not a timing source
 
 
 def test_largest_batch_section_has_each_provider_and_the_ratio(tmp_path):

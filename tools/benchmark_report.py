@@ -38,6 +38,7 @@ REPORT = ROOT / "BENCHMARKS.md"
 JSON_DIR = ROOT / "benchmarks"
 KEPT_HEADING = "## Tried and rejected"
 THIS = "python tools/benchmark_report.py"
+BUCKET_TOOL = "tools/bucket_vs_exact.py"
 
 # --------------------------------------------------------------------------- what `run` measures
 
@@ -79,8 +80,13 @@ class Spec:
     warm: bool = False  # run twice over the same caches; keep the second run
     batch_sequence: Optional[str] = None  # the shape-changes mode: B,B,... (cold and warm caches, by the bench)
     largest_batch: bool = False  # the largest-batch mode
+    bucket_sizes: Optional[str] = None  # tools/bucket_vs_exact.py's --sizes B,B,... (one mode and precision)
 
     def argv(self, json_path: Path) -> list[str]:
+        if self.bucket_sizes:
+            return [sys.executable, BUCKET_TOOL, *self.problems, "--size", self.size, "--sizes", self.bucket_sizes,
+                    "--mode", *self.modes, "--precision", *self.precisions, "--json", str(json_path),
+                    *(["--backward"] if self.backward else [])]
         if self.largest_batch:
             return [sys.executable, "-m", "fusepass.bench", *self.problems, "--largest-batch", "--device", "cuda",
                     "--precision", *self.precisions, "--providers", *self.providers, "--json", str(json_path),
@@ -136,6 +142,11 @@ SPECS: list[Spec] = [
          providers=("inductor", "fusepass"), batch_sequence="1024,1024,1024,777,1024,1024,777,1024,512"),
     Spec("shape-changes-eval-fp32", "shape-changes", (SCALE_BN,), ("eval",), ("fp32",), 240, size="1024,4096,4096",
          providers=("inductor", "fusepass"), batch_sequence="1,8,33,64,100,256,8,1000,64"),
+    # The steady step of bucketed choices against exact ones (H200: 68 s train, 39 s eval, caches warm).
+    Spec("bucket-vs-exact-train-fp32", "shape-changes", (SCALE_BN,), ("train",), ("fp32",), 120,
+         size="1024,4096,4096", backward=True, bucket_sizes="1024,777,16384"),
+    Spec("bucket-vs-exact-eval-fp32", "shape-changes", (SCALE_BN,), ("eval",), ("fp32",), 60,
+         size="1024,4096,4096", bucket_sizes="1024,777,16384"),
     # Issue 27's measure: each provider's search is ~13 training steps at up to ~1M rows, two compiles (H100:
     # the MLP's ~50 s per provider and precision).
     Spec("largest-batch-mlp", "largest-batch", (MLP,), ("train",), ("fp32", "bf16-autocast"), 300,
@@ -158,6 +169,7 @@ DEVICE_CALLS = [
     ("tails-heads",),
     ("shape-changes-train-fp32",),
     ("shape-changes-eval-fp32",),
+    ("bucket-vs-exact-train-fp32", "bucket-vs-exact-eval-fp32"),
     ("largest-batch-mlp",),
     ("largest-batch-1024",),
 ]
@@ -311,11 +323,16 @@ def rows_of(source: Source) -> list[Row]:
 
 def load_sources(json_dir: Path) -> list[Source]:
     """fusepass-bench's timing JSON (the shape-changes and largest-batch modes' are loaded apart)."""
-    return [source for source in _load(json_dir) if not {SHAPE_CHANGES_KEY, LARGEST_BATCH_KEY} & source.payload.keys()]
+    return [source for source in _load(json_dir)
+            if not {SHAPE_CHANGES_KEY, LARGEST_BATCH_KEY, BUCKET_KEY} & source.payload.keys()]
 
 
 def load_shape_changes(json_dir: Path) -> list[Source]:
     return [source for source in _load(json_dir) if SHAPE_CHANGES_KEY in source.payload]
+
+
+def load_bucket_vs_exact(json_dir: Path) -> list[Source]:
+    return [source for source in _load(json_dir) if BUCKET_KEY in source.payload]
 
 
 def load_largest_batch(json_dir: Path) -> list[Source]:
@@ -720,6 +737,38 @@ def shape_changes_tables(sources: list[Source]) -> Optional[str]:
     return "\n".join(parts).rstrip() or None
 
 
+BUCKET_KEY = "bucket_vs_exact"
+BUCKET_INTRO = (
+    f"The steady step (`{BUCKET_TOOL}`, do_bench's median, L2 flushed, compilation excluded) of fusepass's "
+    "bucketed choices against choices tuned for each exact size. Static exact: `dynamic=False`, tuned at that "
+    "size; symbolic exact: the batch marked dynamic, tuned at that size; bucketed: the graph a loop over the "
+    "first two sizes leaves (the second compiles a symbolic batch, whose choice is its bucket's and then serves "
+    "every size). \"bucketed / symbolic exact\" is the choice's cost alone; \"bucketed / static exact\" adds "
+    "the cost of a symbolic batch, shown for Inductor too (static, and after the same loop). Train: forward and "
+    "backward of the output's sum; eval: a forward under `no_grad`.")
+
+
+def bucket_vs_exact_row(r: dict) -> list[str]:
+    fusepass = [f"{r[name]:.3f}" for name in ("static_exact_ms", "symbolic_exact_ms", "bucketed_ms")]
+    ratios = [f"{r['bucketed_ms'] / r[name]:.3f}" for name in ("symbolic_exact_ms", "static_exact_ms")]
+    return [str(r["rows"]), *fusepass, *ratios, f"{r['inductor_static_ms']:.3f}", f"{r['inductor_symbolic_ms']:.3f}"]
+
+
+def bucket_vs_exact_tables(sources: list[Source]) -> Optional[str]:
+    parts = []
+    for source in sources:
+        for run in source.payload[BUCKET_KEY]:
+            rows = [bucket_vs_exact_row(r) for r in run["rows"]]
+            size = ",".join(map(str, run["size"])) if run["size"] else "default"
+            parts += [f"{run['problem']} at {size}, {run['mode']}, {run['precision']}, symbolic graph traced at "
+                      f"{run['traced_at']} rows ({source.env['device']}, {source.env['date'][:10]}, "
+                      f"`{shown_path(source.path)}`):", "",
+                      markdown(rows, ["rows", "static exact ms", "symbolic exact ms", "bucketed ms",
+                                      "bucketed / symbolic exact", "bucketed / static exact", "Inductor static ms",
+                                      "Inductor symbolic ms"]), ""]
+    return "\n".join(parts).rstrip() or None
+
+
 LARGEST_BATCH_KEY = "largest_batch"
 LARGEST_BATCH_INTRO = (
     "`fusepass-bench --largest-batch`: the largest batch whose training step (forward, backward, an SGD step) "
@@ -744,7 +793,8 @@ def largest_batch_table(sources: list[Source]) -> Optional[str]:
 
 
 def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
-           shape_changes: Optional[list[Source]] = None, largest_batch: Optional[list[Source]] = None) -> str:
+           shape_changes: Optional[list[Source]] = None, largest_batch: Optional[list[Source]] = None,
+           bucket_vs_exact: Optional[list[Source]] = None) -> str:
     rows = newest_rows(sources)
     sources = shown_sources(sources, rows)
     parts = ["# Benchmarks", "", "fusepass's current performance, generated by `tools/benchmark_report.py` from the "
@@ -773,6 +823,9 @@ def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
                      "providers' own.", memory_table(rows))
     parts += section("Largest batch that trains", LARGEST_BATCH_INTRO, largest_batch_table(largest_batch or []))
     parts += section("Shape changes", SHAPE_CHANGES_INTRO, shape_changes_tables(shape_changes or []))
+    steady = bucket_vs_exact_tables(bucket_vs_exact or [])
+    if steady:
+        parts += [BUCKET_INTRO, "", steady, ""]
     parts += section("Several GPUs", MULTI_GPU_INTRO, multi_gpu_table(multi_gpu))
     parts += ["## Sources", "", sources_table(sources), ""]
     if multi_gpu:
@@ -800,7 +853,7 @@ def kept_section(report: Path) -> str:
 
 def write(json_dir: Path, output: Path) -> None:
     text = render(load_sources(json_dir), kept_section(output), load_multi_gpu(json_dir), load_shape_changes(json_dir),
-                  load_largest_batch(json_dir))
+                  load_largest_batch(json_dir), load_bucket_vs_exact(json_dir))
     output.write_text(text)
     print(f"wrote {shown_path(output)}")
 
