@@ -379,6 +379,39 @@ def test_no_grad_inference_keeps_no_linear_output():
     assert_fused(rewrites=1, graphs=1)
 
 
+@pytest.mark.parametrize("model_kwargs", [{"scale": "single"}, {"scale": "per_feature", "softmax": "torch"}],
+                         ids=["scale_batch_norm", "scale_batch_norm_softmax"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_empty_training_batch_changes_nothing_as_in_eager(device, model_kwargs):
+    """A batch of 0 rows in training (a filtered or masked batch): eager's batch norm returns an empty
+    output, leaves its running statistics as they were (only num_batches_tracked counts the call) and
+    gives every parameter a gradient of 0. The fused chain must not write the NaN statistics of no rows
+    into the buffers, nor into the scale's gradient. The steps after it still match eager by the float64
+    criterion."""
+    torch.manual_seed(17)
+    trio = Trio.of(ChainModel(12, 20, **model_kwargs).to(device))
+    trio.step(make_input(8, 12, device))
+    trio.step(make_input(6, 12, device))  # the symbolic-batch graph; 0 rows then compile a static one
+    before = {name: b.clone() for name, b in trio.fused.named_buffers()}
+    empty = make_input(0, 12, device)
+    for fn in (trio.eager, trio.compiled):
+        out = fn(empty)
+        assert out.shape == (0, 20)
+        out.sum().backward()
+    for (name, b_eager), (_, b_fused) in zip(trio.eager.named_buffers(), trio.fused.named_buffers()):
+        if name.endswith("num_batches_tracked"):
+            assert int(b_fused) == int(b_eager) == int(before[name]) + 1
+        else:
+            assert torch.equal(b_fused, before[name]), f"{name}: {b_fused[:4]} after 0 rows, was {before[name][:4]}"
+    for (name, p_eager), (_, p_fused) in zip(trio.eager.named_parameters(), trio.fused.named_parameters()):
+        assert torch.equal(p_fused.grad, p_eager.grad) and not p_fused.grad.any(), f"grad {name}: {p_fused.grad}"
+    trio.eager.zero_grad(set_to_none=True)
+    trio.fused.zero_grad(set_to_none=True)
+    trio.step(make_input(5, 12, device))
+    trio.finish()
+    assert_fused(rewrites=3, graphs=3)
+
+
 def test_batch_of_one_in_training_fails_like_eager():
     model = ChainModel()
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):

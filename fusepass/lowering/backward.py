@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusepass.lowering import linear, pointwise, sync
 from fusepass.lowering.reference import affine
@@ -109,6 +110,8 @@ def _scale_grad(ctx, scale: Scale, grad_z: Tensor, y: Tensor, g_hat: Tensor, sum
     # direct sum, as eager's
     if not ctx.training or ctx.group_name:
         return pointwise.reduce_to((grad_z * y).sum(0), scale.tensor)
+    if statically_known_true(y.shape[0] == 0):  # no rows, no gradient; their statistics are NaN
+        return pointwise.reduce_to(torch.zeros_like(sum_g_xhat), scale.tensor)
     s = scale.factor()
     # Scaling a feature changes its normalized value only through eps, so the direct sum(grad_z * y)
     # cancels almost completely. Its exact value, sum(g_hat * x_hat) * eps * invstd^2 / s, does not

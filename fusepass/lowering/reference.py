@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusepass.lowering import pointwise, sync
 from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs
@@ -70,10 +71,13 @@ def new_running_stat_shape(bn: BatchNorm, running: Optional[Tensor]) -> tuple[in
 
 def updated_running_stats(bn: BatchNorm, n, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
     """The momentum update with the variance unbiased by n, the batch's rows (over all ranks when synced:
-    then a tensor)."""
+    then a tensor). A batch of no rows leaves them as they are, as eager's batch norm does (its mean and
+    variance are NaN)."""
     if not bn.updates_running_stats:
         dtype = running_stats_dtype(bn)
         return mean.new_empty(0, dtype=dtype), mean.new_empty(0, dtype=dtype)
+    if not isinstance(n, Tensor) and statically_known_true(n == 0):
+        return bn.running_mean.clone(), bn.running_var.clone()
     unbiased_var = var * (n / (n - 1))
     dtype = torch.promote_types(mean.dtype, bn.running_mean.dtype)
     new_mean = bn.momentum * mean + (1.0 - bn.momentum) * bn.running_mean.to(dtype)
