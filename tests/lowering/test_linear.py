@@ -36,6 +36,22 @@ def test_triton_gemm_on_each_layout_no_further_from_float64_than_eager(layout, p
                                        F.linear(a.double(), b.double()))
 
 
+@pytest.mark.parametrize("m, k, n", [(0, 8, 5), (5, 0, 7), (5, 8, 0)], ids=["no_rows", "empty_reduction", "no_columns"])
+def test_an_empty_gemm_is_left_to_cublas(m, k, n):
+    """A training batch of no rows makes empty GEMMs: no output rows (forward, dX) or an empty reduction
+    (dW, whose K is the batch). The Triton GEMM has nothing to tile: every config says so, instead of
+    failing while it sizes its blocks, and the call runs on cuBLAS (zeros plus the bias where K = 0)."""
+    for layout in ("forward", "grad_x", "grad_weight"):
+        a, b = _operands(layout, m, k, n, seed=7)
+        bias = torch.randn(n, device=KERNEL_DEVICE)
+        call = linear.LinearCall(a, b, bias, "tf32x3", "auto")
+        for precision in ("tf32x3", "split_w", "split_x"):
+            assert linear.LinearImplementation(precision, SMALL).unlaunchable(call) == "no rows", (layout, precision)
+        cublas = linear.LinearImplementation("tf32x3")
+        assert cublas.unlaunchable(call) is None
+        assert torch.equal(cublas(call), F.linear(a, b, bias))
+
+
 @pytest.mark.parametrize("layout, precision, blocks", [("grad_weight", "split_w", [32, 32, 6]),
                                                        ("forward", "split_w", [32, 32, 6]),
                                                        ("grad_x", "split_x", [64, 6]), ("grad_x", "tf32x3", [64, 6]),
