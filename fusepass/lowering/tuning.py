@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 import triton
+from filelock import FileLock, Timeout
 from torch._dynamo.utils import counters
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ CACHE_DIR_ENV = "FUSEPASS_CACHE_DIR"
 # ~0.1 s of a first compile (a cold fp32 training step's compile times about ten).
 TIMING_MS = 10
 TUNE_ENV = "FUSEPASS_TUNE"
+LOCK_TIMEOUT_S = 30  # a write waits this long for another process's; past it the choice stays in memory
 
 
 def search() -> str:
@@ -291,17 +293,19 @@ def _read_cache() -> dict[str, dict[str, str]]:
 
 
 def _write_cache(key: str, sizes: str, choice: str) -> None:
-    """Merges one bucket's choice into the cache file, replacing it atomically (parallel processes may
-    write)."""
+    """Merges one bucket's choice into the cache file. The ranks of one job tune at the same time: each
+    read-modify-write holds a lock file, or one process's write would drop the choices another wrote
+    since its read; the file is replaced atomically, so that readers need no lock."""
     path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        entries = _read_cache()
-        entries.setdefault(key, {})[sizes] = choice
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-            json.dump(entries, tmp, indent=1, sort_keys=True)
-        os.replace(tmp.name, path)
-    except OSError as exc:
+        with FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT_S):
+            entries = _read_cache()
+            entries.setdefault(key, {})[sizes] = choice
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+                json.dump(entries, tmp, indent=1, sort_keys=True)
+            os.replace(tmp.name, path)
+    except (OSError, Timeout) as exc:
         log.warning("fusepass: could not write the tuning cache %s: %r", path, exc)
 
 

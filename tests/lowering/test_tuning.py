@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import multiprocessing
 import threading
 
 import pytest
@@ -157,6 +158,26 @@ def test_entries_of_several_problems_are_merged(cache_dir, monkeypatch):
     fake_timing(monkeypatch, {"a": 3.0, "b": 2.0, "c": 1.0})
     tuning.Tuner().choose(problem("problem 4"), CPU, CANDIDATES)
     assert sorted(v["1024"] for v in json.loads((cache_dir / "tuning.json").read_text()).values()) == ["a", "c"]
+
+
+def _write_choices(writer: int, count: int) -> None:
+    for i in range(count):
+        tuning._write_cache(f"family {writer}", str(i), "a")
+
+
+def test_processes_writing_at_once_lose_no_choice(cache_dir):
+    """Ranks of one job tune at the same time and each merges its choices into the one file: none may
+    be lost to another's write (the second process of the job would time it again)."""
+    writers, count = 4, 40
+    context = multiprocessing.get_context("spawn")  # the environment (the cache directory) is inherited
+    processes = [context.Process(target=_write_choices, args=(w, count)) for w in range(writers)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+    assert [process.exitcode for process in processes] == [0] * writers
+    entries = json.loads((cache_dir / "tuning.json").read_text())
+    assert {family: len(sizes) for family, sizes in entries.items()} == {f"family {w}": count for w in range(writers)}
 
 
 def test_failed_candidates_are_skipped_and_a_stale_choice_is_retimed(cache_dir, monkeypatch):
