@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tabulate import tabulate
+from torch._dynamo.utils import counters
 from torch.fx import GraphModule
 
 from fusepass import ddp, sync_batch_norm, timing
@@ -38,11 +40,13 @@ def describe_miss(miss: Miss, graph_index: int) -> dict[str, Any]:
 
 @dataclass
 class Report:
-    """The rewrites fusepass made (`matches`) and the near-matches it left alone (`misses`)."""
+    """The rewrites fusepass made (`matches`), the near-matches it left alone (`misses`), and where Dynamo
+    broke the model into graphs (`graph_breaks`: a chain split by one never reaches fusepass whole)."""
 
     matches: list[dict[str, Any]] = field(default_factory=list)
     misses: list[dict[str, Any]] = field(default_factory=list)
     graphs: int = 0
+    graph_breaks: list[dict[str, Any]] = field(default_factory=list)
 
     def add_graph(self, matches: list[Match], misses: list[Miss]) -> None:
         self.matches += [describe_match(m, self.graphs) for m in matches]
@@ -64,6 +68,10 @@ class Report:
         if self.misses:
             rows = [[m["graph"], m["node"], m["reason"]] for m in self.misses]
             lines += ["", "Misses:", tabulate(rows, headers=["graph", "node", "reason"], maxcolwidths=[None, None, 80])]
+        if self.graph_breaks:
+            rows = [[b["count"], b["reason"]] for b in self.graph_breaks]
+            lines += ["", "Graph breaks (Dynamo's; a chain split by one is not fused):",
+                      tabulate(rows, headers=["count", "reason"], maxcolwidths=[None, 100])]
         return "\n".join(lines)
 
 
@@ -101,6 +109,8 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
     inside forward) and the random-number generators' states. The model is not copied: a weight-normed
     module refuses deepcopy. Each match's verdict (fused, or left to Inductor's faster code: timing.py) is
     the one cached from a compile with time_unfused=True, or why there is none (not timed, or not yet).
+    The graph breaks are those Dynamo counted during that run (`counters["graph_break"]`), each by its
+    title and explanation.
     """
     report = Report()
 
@@ -115,6 +125,17 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
 
     ddp.install()
     sync_batch_norm.install()
+    breaks_before = Counter(counters["graph_break"])
     with state_restored(model):
         torch.compile(model, backend=recording_backend)(*example_inputs, **example_kwargs)
+    report.graph_breaks = [{"reason": _break_reason(reason), "count": count}
+                           for reason, count in (counters["graph_break"] - breaks_before).items()]
     return report
+
+
+def _break_reason(reason: str) -> str:
+    """A graph break's title, and its explanation where Dynamo gives one (its hints and links left out)."""
+    title, *rest = reason.strip().split("\n")
+    explanation = next((line.strip().removeprefix("Explanation:").strip() for line in rest
+                        if line.strip().startswith("Explanation:")), "")
+    return f"{title.strip()}: {explanation}" if explanation else title.strip()

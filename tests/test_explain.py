@@ -20,7 +20,7 @@ def test_explain_reports_each_match_and_leaves_the_model_alone():
     assert len(match["nodes"]) == 3 and match["training"] is True
     assert match["shapes"] == {"x": (8, 32), "weight": (48, 32), "out": (8, 48)}
     assert match["dtypes"] == {"x": "float32", "linear": "float32", "out": "float32"}
-    assert report.misses == []
+    assert report.misses == [] and report.graph_breaks == []
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), f"explain() changed {key}"
 
@@ -37,6 +37,30 @@ def test_explain_counts_two_chains_and_lists_misses_with_reasons():
     [miss] = report.misses
     assert "other users" in miss["reason"]
     assert "Misses:" in str(report) and "other users" in str(report)
+
+
+class PrintBetween(torch.nn.Module):
+    """A print between the linear and the batch norm: Dynamo breaks the graph there."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = torch.nn.Linear(16, 24), torch.nn.BatchNorm1d(24)
+
+    def forward(self, x):
+        y = self.fc(x)
+        print("between")
+        return self.bn(y)
+
+
+def test_explain_names_the_graph_break_that_split_a_chain(capsys):
+    report = fusepass.explain(PrintBetween(), torch.randn(8, 16))
+    assert [m["pattern"] for m in report.matches] == ["linear"] and report.graphs == 2
+    [miss] = report.misses
+    assert miss["node"] == "batch_norm" and "graph break" in miss["reason"]
+    [graph_break] = report.graph_breaks
+    assert graph_break["count"] == 1 and "`print`" in graph_break["reason"]
+    assert "Graph breaks" in str(report) and "Hint" not in str(report)
+    assert "between" in capsys.readouterr().out  # the model ran, print and all
 
 
 class GroupedSoftmaxHead(torch.nn.Module):
