@@ -81,8 +81,10 @@ class LinearImplementation:
             return None
         # A batch of no rows (an empty output, or a weight gradient's empty reduction) is cuBLAS's: the
         # GEMM has no tiles to launch or blocks to size, and its tf32 splits no columns.
-        empty = next((why for why in map(limits.some_rows, (*call.x.shape, call.weight.shape[0])) if why), None)
-        return empty or limits.first(limits.off_device(call.x.device, (call.weight, call.bias)),
+        empty = limits.first(*(limits.some_rows(size) for size in (*call.x.shape, call.weight.shape[0])))
+        if empty:
+            return empty
+        return limits.first(limits.off_device(call.x.device, (call.weight, call.bias)),
                             gemm.unlaunchable(call.x, call.weight, self.precision, self.config),
                             _copy_past_limit(call, self.precision, self.config))
 
