@@ -160,7 +160,8 @@ def test_entries_of_several_problems_are_merged(cache_dir, monkeypatch):
     assert sorted(v["1024"] for v in json.loads((cache_dir / "tuning.json").read_text()).values()) == ["a", "c"]
 
 
-def _write_choices(writer: int, count: int) -> None:
+def _write_choices(writer: int, count: int, start) -> None:
+    start.wait()  # every writer's loop at once, whatever each process's start-up took
     for i in range(count):
         tuning._write_cache(f"family {writer}", str(i), "a")
 
@@ -168,9 +169,10 @@ def _write_choices(writer: int, count: int) -> None:
 def test_processes_writing_at_once_lose_no_choice(cache_dir):
     """Ranks of one job tune at the same time and each merges its choices into the one file: none may
     be lost to another's write (the second process of the job would time it again)."""
-    writers, count = 4, 40
+    writers, count = 2, 200
     context = multiprocessing.get_context("spawn")  # the environment (the cache directory) is inherited
-    processes = [context.Process(target=_write_choices, args=(w, count)) for w in range(writers)]
+    start = context.Barrier(writers)
+    processes = [context.Process(target=_write_choices, args=(w, count, start)) for w in range(writers)]
     for process in processes:
         process.start()
     for process in processes:
