@@ -7,7 +7,9 @@ eager's results, never a failed launch or a wrong offset.
 - Devices: every tensor the kernels read lives on the device of x. Eager lets a 0-d CPU tensor join a
   CUDA op; a kernel given its host pointer fails ("CUDA driver error: invalid argument" from Inductor's
   static launcher).
-- Rows: at least one. The GEMM wraps row indices modulo the row count.
+- Rows: at least one. The GEMM wraps row indices modulo the row count; the linear op's Triton GEMM also
+  needs an output of at least one column and a reduction of at least one element (a 0-row batch's weight
+  gradient has none), and sizes its blocks by them.
 - 32-bit offsets: the kernels index in int32, so each tensor's furthest element, from its strides, must
   lie below 2**31 elements.
 - Grids: the passes and the split launch 2-D grids whose second dimension covers the columns in blocks of
