@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton.testing
@@ -48,16 +49,9 @@ def fresh_choices():
     torch._dynamo.reset()
     for remembers in (tuning.TUNER, op.CHAIN, linear.LINEAR):
         remembers.forget()
-    previous = os.environ.get(tuning.CACHE_DIR_ENV)
-    with tempfile.TemporaryDirectory(prefix="fusepass-bucket-") as root:
-        os.environ[tuning.CACHE_DIR_ENV] = root
-        try:
-            yield
-        finally:
-            if previous is None:
-                os.environ.pop(tuning.CACHE_DIR_ENV)
-            else:
-                os.environ[tuning.CACHE_DIR_ENV] = previous
+    with tempfile.TemporaryDirectory(prefix="fusepass-bucket-") as root, \
+            mock.patch.dict(os.environ, {tuning.CACHE_DIR_ENV: root}):
+        yield
 
 
 class Runner:
@@ -77,11 +71,14 @@ class Runner:
     def timed(self, fn, batch: int) -> float:
         return triton.testing.do_bench(self.call(fn, batch), warmup=25, rep=200, return_mode="median")
 
-    def exact(self, backend: str, batch: int, symbolic: bool) -> float:
+    def exact(self, backend: str, batch: int, symbolic: bool, profile: bool = False) -> float:
         with fresh_choices(), tuning.tune_every_bucket():
             fn = torch.compile(self.model, backend=backend, dynamic=None if symbolic else False)
             self.call(fn, batch, symbolic)()
-            return self.timed(fn, batch)
+            ms = self.timed(fn, batch)
+            if profile:
+                self.profile(f"{backend} {'symbolic' if symbolic else 'static'} exact", fn, batch)
+            return ms
 
     def after_loop(self, backend: str, sizes: list[int], profile_at: int = 0) -> dict[int, float]:
         """Times at every size after a loop's first two sizes (the second compiles a symbolic batch)."""
@@ -100,11 +97,6 @@ class Runner:
         print(f"\n=== {title}, {batch} rows: host {host:.1f} us/call, wall {wall:.1f} us/call")
         print(kernel_table(call, 10))
 
-    def profile_static(self, batch: int) -> None:
-        with fresh_choices(), tuning.tune_every_bucket():
-            fn = torch.compile(self.model, backend="fusepass", dynamic=False)
-            self.call(fn, batch)()
-            self.profile("fusepass static exact", fn, batch)
 
 
 COLUMNS = ("static_exact_ms", "symbolic_exact_ms", "bucketed_ms", "inductor_static_ms", "inductor_symbolic_ms")
@@ -133,13 +125,11 @@ def main() -> None:
     args = parser().parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     runner = Runner(args)
-    static = {b: runner.exact("fusepass", b, symbolic=False) for b in sizes}
+    static = {b: runner.exact("fusepass", b, symbolic=False, profile=args.profile and b == sizes[0]) for b in sizes}
     symbolic = {b: runner.exact("fusepass", b, symbolic=True) for b in sizes}
     bucketed = runner.after_loop("fusepass", sizes, sizes[0] if args.profile else 0)
     inductor_static = {b: runner.exact("inductor", b, symbolic=False) for b in sizes}
     inductor_loop = runner.after_loop("inductor", sizes)
-    if args.profile:
-        runner.profile_static(sizes[0])
     rows = [[b, f"{static[b]:.3f}", f"{symbolic[b]:.3f}", f"{bucketed[b]:.3f}", f"{bucketed[b] / symbolic[b]:.3f}",
              f"{bucketed[b] / static[b]:.3f}", f"{inductor_static[b]:.3f}", f"{inductor_loop[b]:.3f}"] for b in sizes]
     print(f"\n{Path(args.problem).stem} {args.mode} {args.precision}{' backward' if args.backward else ''}, "
