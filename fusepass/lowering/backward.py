@@ -21,7 +21,8 @@ from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Scale, 
 
 
 def setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    """Saves, per step of the chain: the head's x and W (dW needs x, dX needs W); the linear output y,
+    """Saves, per step of the chain: the head's x and W (dW needs x, dX needs W: under autocast the op's
+    cast of W, which the fp32 W is not saved beside); the linear output y,
     once, with the per-feature mean and invstd: the normalized value, the batch norm's output and the
     tail's values are rebuilt from them in the backward's own pass, never saved; the scale, gamma, beta
     and the tail's tensor operands; and with softmax its output, the probabilities, whose rebuild would
@@ -29,14 +30,17 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:
     args = unflatten(inputs)
     outputs = ChainOutputs(*output)
     ctx.mark_non_differentiable(outputs.new_running_mean, outputs.new_running_var, outputs.linear_out,
-                                outputs.mean, outputs.invstd)
+                                outputs.mean, outputs.invstd, outputs.compute_weight)
     lin, bn = args.linear, args.batch_norm
-    ctx.save_for_backward(lin.x, lin.weight, args.scale_before.tensor, bn.weight, bn.bias, *args.tail.tensors,
+    weight = outputs.compute_weight if args.returns_compute_weight else lin.weight
+    ctx.save_for_backward(lin.x, weight, args.scale_before.tensor, bn.weight, bn.bias, *args.tail.tensors,
                           outputs.linear_out, outputs.mean, outputs.invstd, outputs.out if args.softmax else None)
     ctx.training, ctx.eps, ctx.save_linear_out, ctx.softmax = bn.training, bn.eps, args.save_linear_out, args.softmax
     ctx.group_name = bn.group_name if bn.synced else ""
     ctx.scale_before_value, ctx.tail_program = args.scale_before.value, args.tail.program
     ctx.bias_dtype = lin.bias.dtype if lin.bias is not None else None
+    # An fp32 weight under autocast gets an fp32 gradient straight from the dW GEMM's accumulators.
+    ctx.weight_grad_dtype = lin.weight.dtype if lin.casts_weight else None
     ctx.kernel = args.kernel
 
 
@@ -80,9 +84,9 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
         if weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) != 1:
             # A matmul head's (in, out) W seen as (out, in): its gradient is made as x^T @ grad_y, in W's own
             # layout, and handed back as the view, so that no transposing copy of it follows.
-            grads["linear_weight"] = linear.call(x.t(), grad_y.t(), None, ctx.kernel).t()
+            grads["linear_weight"] = linear.call(x.t(), grad_y.t(), None, ctx.kernel, ctx.weight_grad_dtype).t()
         else:
-            grads["linear_weight"] = linear.call(grad_y.t(), x.t(), None, ctx.kernel)
+            grads["linear_weight"] = linear.call(grad_y.t(), x.t(), None, ctx.kernel, ctx.weight_grad_dtype)
     if need.linear.bias:
         grads["linear_bias"] = _linear_bias_grad(ctx, grad_y)
     if need.scale_before.tensor:

@@ -97,7 +97,7 @@ def _family_part(value: Any) -> str:
 
 
 def _gemm_choice(args: ChainArgs) -> str:
-    return gemm_option(args.linear.x, args.linear.weight, args.kernel.gemm)
+    return gemm_option(args.linear.x, args.linear.compute_weight_like(), args.kernel.gemm)
 
 
 def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[str, Implementation]:

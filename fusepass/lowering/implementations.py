@@ -36,9 +36,12 @@ class Implementation:
         return f"triton {self.precision} {self.config.describe()}" if self.config else "cublas"
 
     def __call__(self, args: ChainArgs) -> ChainOutputs:
+        run = args.in_compute_dtype()
         if self.config is None:
-            return on_cublas(args, self.precision)
-        return on_triton_gemm(args, self.precision, self.config)
+            outputs = on_cublas(run, self.precision)
+        else:
+            outputs = on_triton_gemm(run, self.precision, self.config)
+        return outputs._replace(compute_weight=args.compute_weight_output(run))
 
     def unlaunchable(self, args: ChainArgs) -> Optional[str]:
         """Why this call cannot run on these kernels (limits.py), or None."""
@@ -48,7 +51,8 @@ class Implementation:
             limits.some_rows(x.shape[0]),
             limits.int32_buffer("the output", x.shape[0], n_features),
             limits.column_grid(n_features),
-            gemm.unlaunchable(x, args.linear.weight, self.precision, self.config) if self.config else None,
+            gemm.unlaunchable(x, args.linear.compute_weight_like(), self.precision, self.config)
+            if self.config else None,
         )
 
 
@@ -84,7 +88,8 @@ def on_cublas(args: ChainArgs, precision: str) -> ChainOutputs:
 
 def _outputs(args: ChainArgs, out: Tensor, stats: Statistics, y: Tensor) -> ChainOutputs:
     linear_out = y if args.save_linear_out else y.new_empty(0)
-    return ChainOutputs(out, stats.new_mean, stats.new_var, linear_out, stats.mean, stats.invstd)
+    return ChainOutputs(out, stats.new_mean, stats.new_var, linear_out, stats.mean, stats.invstd,
+                        compute_weight=y.new_empty(0))
 
 
 def _output_buffer(y: Tensor, args: ChainArgs) -> Tensor:

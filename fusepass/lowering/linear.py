@@ -1,8 +1,9 @@
-"""`torch.ops.fusepass.linear(x, weight, bias, kernel_fp32_matmul, kernel_gemm)`: x @ weight^T + bias for
-2-D operands of any strides, on fusepass's Triton GEMM (gemm.py, no epilogue) or on cuBLAS, whichever
-is fastest for the problem at the call's precision (a tuned op, tuned_op.py: chosen per size bucket,
-cached like the chain op's choice). Its autograd formula calls it again: dX = linear(g, W^T),
-dW = linear(g^T, x^T).
+"""`torch.ops.fusepass.linear(x, weight, bias, kernel_fp32_matmul, kernel_gemm, out_dtype=None)`:
+x @ weight^T + bias for 2-D operands of any strides, in x's dtype or, for bf16/fp16 operands, in fp32
+straight from the GEMM's fp32 accumulators (out_dtype; a chain's weight gradient under autocast), on
+fusepass's Triton GEMM (gemm.py, no epilogue) or on cuBLAS, whichever is fastest for the problem at the
+call's precision (a tuned op, tuned_op.py: chosen per size bucket, cached like the chain op's choice).
+Its autograd formula calls it again: dX = linear(g, W^T), dW = linear(g^T, x^T).
 
 Two users: the fused chain's backward (its dX and dW GEMMs), and the bare-linear family (a linear
 outside any chain). In fp32 at the default precision that puts every GEMM of a training step on
@@ -31,6 +32,8 @@ from fusepass.lowering.tuned_op import Declaration, TunedOp
 from fusepass.lowering.tuning import Problem, bucket
 
 OP_NAME = "fusepass::linear"
+# Operand dtypes whose product the op can return in fp32 (out_dtype).
+WIDENED = (torch.bfloat16, torch.float16)
 
 
 class LinearCall(NamedTuple):
@@ -40,13 +43,15 @@ class LinearCall(NamedTuple):
     bias: Optional[Tensor]
     kernel_fp32_matmul: str
     kernel_gemm: str
+    out_dtype: Optional[torch.dtype] = None
 
     @property
     def kernel(self) -> KernelOptions:
         return KernelOptions(self.kernel_fp32_matmul, self.kernel_gemm)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_fp32_matmul: str, kernel_gemm: str) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_fp32_matmul: str, kernel_gemm: str,
+           out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """The op's signature."""
 
 
@@ -69,10 +74,10 @@ class LinearImplementation:
         x, weight, bias = call.x, call.weight, call.bias
         if self.config is None:
             with cublas_precision(self.precision):
-                return F.linear(x, weight, bias)
+                return _library_linear(x, weight, bias, _out_dtype(call))
         if self.k_major_copies:
             x, weight = _k_major_copy(x), _k_major_copy(weight)
-        return run_in_blocks(Linear(x, weight, bias), self.precision, self.config)
+        return run_in_blocks(Linear(x, weight, bias), self.precision, self.config, out_dtype=_out_dtype(call))
 
     def unlaunchable(self, call: LinearCall) -> Optional[str]:
         """Why this call cannot run on the Triton GEMM (limits.py, and the copy limit below), or None;
@@ -108,14 +113,14 @@ SPLIT_COPY_LIMIT = 512 << 20
 
 
 def run_in_blocks(linear: Linear, precision: str, config: gemm.GemmConfig, copy_bytes: int = COPY_BYTES,
-                  min_block_tiles: Optional[int] = None) -> Tensor:
+                  min_block_tiles: Optional[int] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """x @ W^T + b on the Triton GEMM, in blocks of W's rows (y's columns) where the GEMM copies W: each
     block's copies take at most `copy_bytes`, not W's size again, and are freed before the next block's,
     unless that would leave a block fewer than `min_block_tiles` output tiles (default BLOCK_WAVES waves
     of the GPU's SMs)."""
     x, weight, bias = linear.x, linear.weight, linear.bias
     m, n = x.shape[0], weight.shape[0]
-    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    y = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
     rows = _block_rows(linear, precision, config, copy_bytes, min_block_tiles)
     for n0 in range(0, n, rows):
         block = Linear(x, weight[n0:n0 + rows], bias[n0:n0 + rows] if bias is not None else None)
@@ -168,6 +173,25 @@ def _validate(call: LinearCall) -> None:
                            f"({x.shape[0]}x{x.shape[1]} and {weight.shape[1]}x{weight.shape[0]})")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise RuntimeError("fusepass.linear: x, weight and bias must have the same dtype")
+    if _out_dtype(call) not in (x.dtype, torch.float32) or (_out_dtype(call) != x.dtype and x.dtype not in WIDENED):
+        raise RuntimeError(f"fusepass.linear: out_dtype {call.out_dtype} for {x.dtype} operands: "
+                           f"only fp32 from {WIDENED[0]} or {WIDENED[1]}")
+
+
+def _out_dtype(call: LinearCall) -> torch.dtype:
+    return call.out_dtype or call.x.dtype
+
+
+def _library_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+    """cuBLAS's linear (on CPU: eager's), in out_dtype. Widened, cuBLAS writes its fp32 accumulators
+    (torch.mm's out_dtype); on CPU, where torch.mm has no out_dtype, the operands are widened first:
+    products of bf16/fp16 values are exact in fp32, so the sums are the same kind."""
+    if out_dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    if x.device.type != "cuda":
+        return F.linear(x.to(out_dtype), weight.to(out_dtype), bias.to(out_dtype) if bias is not None else None)
+    y = torch.mm(x, weight.t(), out_dtype=out_dtype)
+    return y + bias.to(out_dtype) if bias is not None else y
 
 
 def _precision(call: LinearCall) -> str:
@@ -182,6 +206,7 @@ def problem(call: LinearCall, traced: bool) -> Problem:
     batch, others = (k, f"M={m} N={n}") if _reduces_over_batch(call) else (m, f"K={k} N={n}")
     gemm_choice = gemm_option(x, weight, call.kernel_gemm)
     family = (f"{OP_NAME} {others} layout={_layout(call)} dtype={str(x.dtype).removeprefix('torch.')} "
+              f"out={str(_out_dtype(call)).removeprefix('torch.')} "
               f"bias={call.bias is not None} precision={_precision(call)} gemm={gemm_choice}"
               + (" traced" if traced else ""))
     return Problem(family, (bucket(batch),))
@@ -256,7 +281,7 @@ def _unfused(call: LinearCall) -> Tensor:
 
 
 def _fake(call: LinearCall) -> Tensor:
-    return call.x.new_empty((call.x.shape[0], call.weight.shape[0]))
+    return call.x.new_empty((call.x.shape[0], call.weight.shape[0]), dtype=_out_dtype(call))
 
 
 def _k_major(t: Tensor) -> bool:
@@ -282,27 +307,30 @@ LINEAR = TunedOp(Declaration(
 ))
 
 
-def call(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: KernelOptions) -> Tensor:
-    return torch.ops.fusepass.linear(x, weight, bias, kernel.fp32_matmul, kernel.gemm)
+def call(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: KernelOptions,
+         out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    return torch.ops.fusepass.linear(x, weight, bias, kernel.fp32_matmul, kernel.gemm, out_dtype)
 
 
 # --------------------------------------------------------------------------- autograd
 
 
 def _setup_context(ctx, inputs: tuple, output: Tensor) -> None:
-    x, weight, bias, fp32_matmul, gemm_choice = inputs
+    x, weight, bias, fp32_matmul, gemm_choice, _out = inputs
     ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
     ctx.kernel = KernelOptions(fp32_matmul, gemm_choice)
     ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.compute_dtype = x.dtype
 
 
 def _backward(ctx, grad: Tensor) -> tuple:
     x, weight = ctx.saved_tensors
     need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+    grad_bias = grad.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if need_bias else None
+    grad = grad.to(ctx.compute_dtype)  # a widened output's gradient, in the operands' dtype
     grad_x = call(grad, weight.t(), None, ctx.kernel) if need_x else None
     grad_weight = call(grad.t(), x.t(), None, ctx.kernel) if need_weight else None
-    grad_bias = grad.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if need_bias else None
-    return grad_x, grad_weight, grad_bias, None, None
+    return grad_x, grad_weight, grad_bias, None, None, None
 
 
 LINEAR.traced.register_autograd(_backward, setup_context=_setup_context)

@@ -1,7 +1,8 @@
 """The fused operator: `torch.ops.fusepass.batch_norm_chain`, declared as a tuned op (tuned_op.py),
-with its fake and its autograd formula. It takes ChainArgs flattened (schema.py) and returns the six
+with its fake and its autograd formula. It takes ChainArgs flattened (schema.py) and returns the seven
 ChainOutputs; new_running_* are empty unless training with running statistics, linear_out is empty
-unless save_linear_out. In training the rewritten graph copies the new running statistics into the
+unless save_linear_out, compute_weight unless the op cast an fp32 weight (autocast) for a call whose
+backward reads it. In training the rewritten graph copies the new running statistics into the
 module's buffers: an op that mutates its inputs cannot carry an autograd formula.
 
 On CUDA torch.compile traces its body, for static and symbolic shapes: the implementation is chosen then
@@ -36,6 +37,8 @@ def fake(args: ChainArgs) -> ChainOutputs:
         linear_out=x.new_empty((n, f) if args.save_linear_out else (0,)),
         mean=x.new_empty((f,), dtype=torch.float32),
         invstd=x.new_empty((f,), dtype=torch.float32),
+        compute_weight=(x.new_empty_strided(args.linear.weight.shape, args.linear.weight.stride())
+                        if args.returns_compute_weight else x.new_empty((0,))),
     )
 
 

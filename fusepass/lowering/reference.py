@@ -1,6 +1,6 @@
 """The fused op's math in plain PyTorch: its CPU implementation, and what its kernels compute.
 
-    y   = linear(x, W, b)                              # in x's dtype, like eager
+    y   = linear(x, W, b)                              # in x's dtype, like eager (W cast to it under autocast)
     z   = y * s1
     u   = (z - mean) * invstd * gamma + beta           # batch statistics (training) or running ones (eval)
     t   = tail(u)                                      # the pointwise ops after batch norm (pointwise.py)
@@ -26,7 +26,8 @@ from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs
 
 def reference(args: ChainArgs) -> ChainOutputs:
     args.validate()
-    lin, bn = args.linear, args.batch_norm
+    run = args.in_compute_dtype()
+    lin, bn = run.linear, args.batch_norm
     y = F.linear(lin.x, lin.weight, lin.bias)
     z = y.float() * args.scale_before.factor()
     n = z.shape[0]
@@ -43,7 +44,8 @@ def reference(args: ChainArgs) -> ChainOutputs:
         out = torch.softmax(out, dim=-1)
     new_mean, new_var = updated_running_stats(bn, n, mean, var)
     linear_out = y if args.save_linear_out else y.new_empty(0)
-    return ChainOutputs(out.to(args.out_dtype), new_mean, new_var, linear_out, mean, invstd)
+    return ChainOutputs(out.to(args.out_dtype), new_mean, new_var, linear_out, mean, invstd,
+                        args.compute_weight_output(run))
 
 
 def affine(x_hat: Tensor, bn: BatchNorm) -> Tensor:

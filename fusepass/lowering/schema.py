@@ -27,13 +27,40 @@ from fusepass.lowering.tiles import scale_mode
 
 FP32_MATMUL = ("tf32x3", "ieee")
 GEMM_CHOICES = ("auto", "triton", "cublas")
+# The dtypes autocast runs a linear in. Under autocast the op takes the fp32 weight as the model holds it
+# and casts it itself: its weight gradient then comes out of the GEMM's fp32 accumulators in fp32,
+# instead of being rounded to the autocast dtype and cast back.
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class Linear:
-    x: Tensor  # (N, K)
-    weight: Tensor  # (F, K)
-    bias: Optional[Tensor]  # (F,)
+    x: Tensor  # (N, K), in the GEMM's dtype
+    weight: Tensor  # (F, K), in x's dtype, or fp32 under autocast (casts_weight)
+    bias: Optional[Tensor]  # (F,), in x's dtype
+
+    @property
+    def casts_weight(self) -> bool:
+        """Whether the GEMM runs on a cast of the weight: an fp32 weight under autocast."""
+        return self.weight.dtype != self.x.dtype
+
+    def in_compute_dtype(self) -> "Linear":
+        """The linear with its weight in x's dtype: itself, or with the autocast cast of the weight."""
+        if not self.casts_weight:
+            return self
+        return dataclasses.replace(self, weight=self.weight.to(self.x.dtype))
+
+    def compute_weight_like(self) -> Tensor:
+        """A meta tensor shaped, strided and typed as the weight the GEMM reads (limits.py checks it)."""
+        w = self.weight
+        return torch.empty_strided(w.shape, w.stride(), dtype=self.x.dtype, device="meta")
+
+    def validate(self) -> None:
+        """Eager's dtype check, but for the fp32 weight that autocast casts."""
+        x, weight, bias = self.x, self.weight, self.bias
+        autocast_weight = weight.dtype == torch.float32 and x.dtype in AUTOCAST_DTYPES
+        if (weight.dtype != x.dtype and not autocast_weight) or (bias is not None and bias.dtype != x.dtype):
+            raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got {x.dtype} and {weight.dtype}")
 
 
 @dataclass(frozen=True)
@@ -116,6 +143,7 @@ class ChainArgs:
     def validate(self) -> None:
         """The checks eager makes (with eager's messages) and the kernel options'."""
         self.kernel.validate()
+        self.linear.validate()
         if self.batch_norm.training and not self.batch_norm.synced and self.linear.x.shape[0] == 1:
             raise ValueError("Expected more than 1 value per channel when training, got input size "
                              f"{torch.Size((1, self.linear.weight.shape[0]))}")
@@ -128,6 +156,21 @@ class ChainArgs:
     def n_features(self) -> int:
         return self.linear.weight.shape[0]
 
+    @property
+    def returns_compute_weight(self) -> bool:
+        """Whether the op returns its cast of the weight: the backward's dX GEMM reads it (as eager's
+        autocast keeps its cast for the backward), so no second cast runs."""
+        return self.linear.casts_weight and self.save_linear_out
+
+    def in_compute_dtype(self) -> "ChainArgs":
+        return dataclasses.replace(self, linear=self.linear.in_compute_dtype())
+
+    def compute_weight_output(self, run: "ChainArgs") -> Tensor:
+        """The op's compute_weight output, from the arguments it ran with (in_compute_dtype's)."""
+        if self.returns_compute_weight:
+            return run.linear.weight
+        return run.linear.x.new_empty(0)
+
 
 class ChainOutputs(NamedTuple):
     out: Tensor  # the chain's result, in out_dtype
@@ -136,6 +179,7 @@ class ChainOutputs(NamedTuple):
     linear_out: Tensor  # empty unless save_linear_out
     mean: Tensor  # fp32 (F,): the statistics the output was normalized with
     invstd: Tensor
+    compute_weight: Tensor  # the weight cast to x's dtype where returns_compute_weight, else empty
 
 
 # --------------------------------------------------------------------------- flattening

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from fusepass.lowering import gemm, linear
 from fusepass.lowering.schema import KernelOptions
+from fusepass.numerics import rel_error
 from tests.chains import assert_no_further_from_float64, requires_cuda
-from tests.lowering.cases import KERNEL_DEVICE
+from tests.lowering.cases import HALF_DTYPES, KERNEL_DEVICE
 
 SMALL = gemm.GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=2)
 
@@ -213,3 +214,32 @@ def test_weight_gradient_copies_stay_within_the_bound_on_cuda():
     beyond_output = torch.cuda.max_memory_allocated() - before - grad_weight.numel() * 4
     assert beyond_output <= 24 << 20
     assert_no_further_from_float64("grad_weight", grad_weight, g.t() @ x, g.t().double() @ x.double())
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("implementation", ["triton", "library"])
+def test_a_widened_output_is_the_fp32_sum_of_half_precision_products(dtype, implementation):
+    """out_dtype=fp32 (a chain's weight gradient under autocast): the GEMM's fp32 accumulators come out
+    as they are, on the weight gradient's layout. Products of half-precision values are exact in fp32,
+    so the result is float64's to fp32 accumulation error, far below the rounding of a half-precision
+    output."""
+    a, b = (t.to(dtype) for t in _operands("grad_weight", 45, 77, 38, seed=11))
+    impl = (linear.LinearImplementation("native", SMALL) if implementation == "triton"
+            else linear.LinearImplementation("native"))
+    out = impl(linear.LinearCall(a, b, None, "tf32x3", "auto", torch.float32))
+    rounded = impl(linear.LinearCall(a, b, None, "tf32x3", "auto"))
+    exact = F.linear(a.double(), b.double())
+    assert out.dtype == torch.float32 and rounded.dtype == dtype
+    assert rel_error(out, exact) < 1e-6 < rel_error(rounded, exact) / 100
+
+
+def test_widened_op_checks_and_fake():
+    """The op with out_dtype: its schema, fake and autograd (opcheck); fp32 only, from bf16 or fp16."""
+    g = torch.Generator().manual_seed(6)
+    x, w = (torch.randn(s, generator=g).bfloat16().requires_grad_() for s in ((9, 13), (6, 13)))
+    torch.library.opcheck(torch.ops.fusepass.linear.default, (x, w, None, "tf32x3", "auto", torch.float32))
+    assert linear.call(x, w, None, KernelOptions(), torch.float32).dtype == torch.float32
+    with pytest.raises(RuntimeError, match="out_dtype"):
+        linear.call(x, w, None, KernelOptions(), torch.float16)
+    with pytest.raises(RuntimeError, match="out_dtype"):
+        linear.call(x.float(), w.float(), None, KernelOptions(), torch.float64)

@@ -17,7 +17,7 @@ def run_passes(args, y=None):
     if y is None:
         y = F.linear(args.linear.x, args.linear.weight, args.linear.bias)
     out, stats = normalize.normalize_linear_output(y, args)
-    return y, ChainOutputs(out, stats.new_mean, stats.new_var, y.new_empty(0), stats.mean, stats.invstd)
+    return y, ChainOutputs(out, stats.new_mean, stats.new_var, y.new_empty(0), stats.mean, stats.invstd, y.new_empty(0))
 
 
 # Each scale kind on the masked shapes; the many-strip batch (2100 rows) with the per-feature scale only

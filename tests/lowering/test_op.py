@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from fusepass.lowering import op
 from fusepass.lowering.schema import FLAT_NAMES, ChainArgs, ChainOutputs, KernelOptions, flat_fields, flatten, unflatten
+from fusepass.numerics import rel_error
 from tests.chains import DEVICES, assert_no_further_from_float64
 from tests.lowering.cases import EAGER_TAILS, assert_like_eager, make_args
 
@@ -228,3 +229,63 @@ def test_what_the_op_saves_for_its_backward(softmax):
     not_inputs = [t for t in saved if not any(t is i for i in inputs if i is not None)]
     assert sorted(tuple(t.shape) for t in not_inputs) == sorted([(48, 40)] * (1 + softmax) + [(40,), (40,)])
     assert not any(t is bn.running_mean or t is bn.running_var for t in saved)
+
+
+def autocast_case(device, dtype=torch.bfloat16, **case):
+    """What the rewrite hands the op under autocast: x, bias and the rest in the autocast dtype, the
+    weight in fp32 as the model holds it; (arguments, the fp32 weight leaf)."""
+    args = make_args(**case, dtype=dtype, device=device, requires_grad=True, save_linear_out=True)
+    weight = args.linear.weight.detach().float().requires_grad_()
+    return dataclasses.replace(args, linear=dataclasses.replace(args.linear, weight=weight)), weight
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head", ["linear", "matmul"])
+def test_autocast_weight_gradient_comes_out_in_fp32(device, head):
+    """An fp32 weight under autocast: the op casts it (the linear runs in bf16, as eager's autocast) and
+    its gradient comes out of the dW GEMM's fp32 accumulators, in fp32, not rounded to bf16 as eager's
+    (whose gradient is cast back to fp32 afterwards): clearly closer to float64 than eager's. A matmul
+    head's (in, out) weight too."""
+    case = dict(n=67, k=45, f=37, scale="single", tail="gelu_relu")
+    upstream = torch.randn(67, 37, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def run(provider: str):
+        args, weight = autocast_case(device, **case)
+        if provider == "exact":  # every tensor a float64 leaf
+            args = unflatten(a.detach().double().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
+                             else (torch.float64 if a == torch.bfloat16 else a) for a in flatten(args))
+            weight = args.linear.weight
+        if head == "matmul":
+            weight = weight.detach().t().contiguous().requires_grad_()
+            args = dataclasses.replace(args, linear=dataclasses.replace(args.linear, weight=weight.t()))
+        if provider == "fused":
+            out = op.call(args).out
+        else:
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=provider == "eager"):
+                out = unfused_forward(args)
+        (out.double() * upstream.to(out.device)).sum().backward()
+        return out, weight.grad, args.linear.x.grad
+
+    (fused, fused_w, fused_x), (eager, eager_w, eager_x), (exact, exact_w, exact_x) = (
+        run("fused"), run("eager"), run("exact"))
+    assert fused_w.dtype == eager_w.dtype == torch.float32
+    assert_no_further_from_float64("output", fused, eager, exact)
+    assert_no_further_from_float64("grad x", fused_x, eager_x, exact_x)
+    fused_err, eager_err = rel_error(fused_w, exact_w), rel_error(eager_w, exact_w)
+    assert fused_err < 0.8 * eager_err, f"grad W: fusepass {fused_err:.3g} from float64, eager {eager_err:.3g}"
+
+
+def test_autocast_op_saves_the_cast_weight_not_the_fp32_one():
+    """For its dX GEMM the op keeps its bf16 cast of the weight (as eager's autocast keeps its cast),
+    and not the fp32 weight besides."""
+    args, weight = autocast_case("cpu", n=16, k=24, f=40)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        outputs = op.call(args)
+    assert not any(t is weight for t in saved)
+    weights = [t for t in saved if tuple(t.shape) == (40, 24)]
+    assert [t.dtype for t in weights] == [torch.bfloat16]
+    assert torch.equal(weights[0], weight.detach().bfloat16())
+    assert outputs.compute_weight.shape == (40, 24)
+    eval_outputs = op.call(dataclasses.replace(args, save_linear_out=False))
+    assert eval_outputs.compute_weight.numel() == 0  # no backward: nothing kept
