@@ -193,9 +193,12 @@ def test_help_runs_from_the_repository_root():
 def test_run_commands_match_the_bench_cli(monkeypatch):
     bench = pytest.importorskip("fusepass.bench")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU-only modes' commands parse too
-    bucket_tool = load_tool(report.BUCKET_TOOL)
+    bucket_tool, gemm_tool = load_tool(report.BUCKET_TOOL), load_tool(report.GEMM_TOOL)
     for spec in report.SPECS:
         argv = spec.argv(Path("out.json"))
+        if spec.gemm_alone:
+            assert argv[1] == report.GEMM_TOOL and gemm_tool.parser().parse_args(argv[2:]).json == "out.json"
+            continue
         if spec.bucket_sizes:
             assert argv[1] == report.BUCKET_TOOL
             args = bucket_tool.parser().parse_args(argv[2:])
@@ -240,6 +243,21 @@ def test_bucket_vs_exact_table_follows_the_shape_changes_with_both_ratios(tmp_pa
     assert table_line(text, "Shape changes", "| 1024") == ["1024", "1.200", "1.500", "1.440", "0.960", "1.200",
                                                            "2.000", "2.100"]
     assert "bucket-vs-exact-train-fp32" not in section_text(text, "Sources")  # not a timing source
+
+
+def test_gemm_alone_section_has_both_kernels_the_ratio_and_the_peak_fraction(tmp_path):
+    row = {"m": 1024, "k": 8192, "n": 8192, "precision": "bf16", "cublas_ms": 0.2, "cublas_tflops": 687.2,
+           "cublas_rel_err": 2e-3, "fusepass_config": "native 128x256x64 g8 w8 s3", "fusepass_ms": 0.25,
+           "fusepass_tflops": 549.8, "fusepass_rel_err": 2.1e-3, "vs_cublas": 0.8, "of_peak": 0.556}
+    gemms = {"environment": {"device": "NVIDIA H100", "torch": "9.9.0", "triton": "8.8.0",
+                             "date": "2030-01-01T00:00:00+00:00", "command": "python tools/gemm_alone.py"},
+             "gemm_alone": [row]}
+    text = write_report(tmp_path, {"forward-fp32": payload(four_providers()), "gemm-alone": gemms})
+    assert "NVIDIA H100, torch 9.9.0, triton 8.8.0, 2030-01-01" in section_text(text, "GEMM alone")
+    assert table_line(text, "GEMM alone", "1024×8192→8192") == [
+        "1024×8192→8192", "bf16", "0.200", "687", "0.250", "550", "native 128x256x64 g8 w8 s3", "0.80×", "56%",
+        "2.0e-03", "2.1e-03"]
+    assert "gemm-alone" not in section_text(text, "Sources")  # not a timing source
 
 
 def test_largest_batch_section_has_each_provider_and_the_ratio(tmp_path):

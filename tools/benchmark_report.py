@@ -39,6 +39,7 @@ JSON_DIR = ROOT / "benchmarks"
 KEPT_HEADING = "## Tried and rejected"
 THIS = "python tools/benchmark_report.py"
 BUCKET_TOOL = "tools/bucket_vs_exact.py"
+GEMM_TOOL = "tools/gemm_alone.py"
 
 # --------------------------------------------------------------------------- what `run` measures
 
@@ -81,8 +82,11 @@ class Spec:
     batch_sequence: Optional[str] = None  # the shape-changes mode: B,B,... (cold and warm caches, by the bench)
     largest_batch: bool = False  # the largest-batch mode
     bucket_sizes: Optional[str] = None  # tools/bucket_vs_exact.py's --sizes B,B,... (one mode and precision)
+    gemm_alone: bool = False  # tools/gemm_alone.py: the GEMM alone, no problem
 
     def argv(self, json_path: Path) -> list[str]:
+        if self.gemm_alone:
+            return [sys.executable, GEMM_TOOL, "--json", str(json_path)]
         if self.bucket_sizes:
             return [sys.executable, BUCKET_TOOL, *self.problems, "--size", self.size, "--sizes", self.bucket_sizes,
                     "--mode", *self.modes, "--precision", *self.precisions, "--json", str(json_path),
@@ -153,6 +157,8 @@ SPECS: list[Spec] = [
          providers=("eager", "inductor", "fusepass"), largest_batch=True),
     Spec("largest-batch-1024", "largest-batch", (SCALE_BN,), ("train",), ("fp32", "bf16-autocast"), 300,
          size="1024,8192,8192", providers=("eager", "inductor", "fusepass"), largest_batch=True),
+    # Issue 26's GEMM table: 5 shapes x 3 precisions, every tile config (H100: 31 s).
+    Spec("gemm-alone", "gemm-alone", (), (), (), 60, gemm_alone=True),
 ]
 SECTIONS = list(dict.fromkeys(spec.section for spec in SPECS))
 # Sections grouped into device calls of under 9 minutes each: the estimates add up to at most 7.2
@@ -172,6 +178,7 @@ DEVICE_CALLS = [
     ("bucket-vs-exact-train-fp32", "bucket-vs-exact-eval-fp32"),
     ("largest-batch-mlp",),
     ("largest-batch-1024",),
+    ("gemm-alone",),
 ]
 
 COLD_NOTE = ("empty Inductor (FX-graph, autotuning), Triton and fusepass tuning caches of its own: "
@@ -324,7 +331,7 @@ def rows_of(source: Source) -> list[Row]:
 def load_sources(json_dir: Path) -> list[Source]:
     """fusepass-bench's timing JSON (the shape-changes and largest-batch modes' are loaded apart)."""
     return [source for source in _load(json_dir)
-            if not {SHAPE_CHANGES_KEY, LARGEST_BATCH_KEY, BUCKET_KEY} & source.payload.keys()]
+            if not {SHAPE_CHANGES_KEY, LARGEST_BATCH_KEY, BUCKET_KEY, GEMM_KEY} & source.payload.keys()]
 
 
 def load_shape_changes(json_dir: Path) -> list[Source]:
@@ -333,6 +340,10 @@ def load_shape_changes(json_dir: Path) -> list[Source]:
 
 def load_bucket_vs_exact(json_dir: Path) -> list[Source]:
     return [source for source in _load(json_dir) if BUCKET_KEY in source.payload]
+
+
+def load_gemm_alone(json_dir: Path) -> list[Source]:
+    return [source for source in _load(json_dir) if GEMM_KEY in source.payload]
 
 
 def load_largest_batch(json_dir: Path) -> list[Source]:
@@ -769,6 +780,33 @@ def bucket_vs_exact_tables(sources: list[Source]) -> Optional[str]:
     return "\n".join(parts).rstrip() or None
 
 
+GEMM_KEY = "gemm_alone"
+GEMM_INTRO = (
+    f"`{GEMM_TOOL}`: y = x @ W^T alone, no epilogue, against cuBLAS, for M×K→N at the seed chains' shapes and "
+    "the MLP's three layers. bf16: both operands bf16, against cuBLAS bf16; tf32: fp32 operands on TF32 "
+    "tensor cores, against cuBLAS with TF32 allowed; tf32x3: fp32-accurate 3xTF32 (an operand split in "
+    "memory included where that variant is fastest), against cuBLAS's IEEE fp32, eager's fp32. fusepass's "
+    "column is its fastest tile config (every candidate of the full search; a `tma` config serves only calls the "
+    "op runs opaquely, as traced launches cannot carry TMA descriptors). \"of peak\": fusepass's TFLOP/s "
+    "over the data sheet's dense peak (bf16 989, TF32 495, 3xTF32 a third of TF32's: 165). Issue 26's "
+    "targets: bf16 ≥ 0.95× cuBLAS, TF32 ≥ 0.90×, 3xTF32 ≥ 130 TFLOP/s.")
+
+
+def gemm_alone_table(sources: list[Source]) -> Optional[str]:
+    parts = []
+    for source in sources:
+        rows = [[f"{r['m']}×{r['k']}→{r['n']}", r["precision"], f"{r['cublas_ms']:.3f}", f"{r['cublas_tflops']:.0f}",
+                 f"{r['fusepass_ms']:.3f}", f"{r['fusepass_tflops']:.0f}", r["fusepass_config"],
+                 f"{r['vs_cublas']:.2f}×", f"{r['of_peak']:.0%}", f"{r['cublas_rel_err']:.1e}",
+                 f"{r['fusepass_rel_err']:.1e}"] for r in source.payload[GEMM_KEY]]
+        parts += [f"{source.env['device']}, torch {source.env['torch']}, triton {source.env['triton']}, "
+                  f"{source.env['date'][:10]} (`{shown_path(source.path)}`):", "",
+                  markdown(rows, ["M×K→N", "precision", "cuBLAS ms", "cuBLAS TFLOP/s", "fusepass ms",
+                                  "fusepass TFLOP/s", "fusepass config", "vs cuBLAS", "of peak", "cuBLAS error",
+                                  "fusepass error"]), ""]
+    return "\n".join(parts).rstrip() or None
+
+
 LARGEST_BATCH_KEY = "largest_batch"
 LARGEST_BATCH_INTRO = (
     "`fusepass-bench --largest-batch`: the largest batch whose training step (forward, backward, an SGD step) "
@@ -794,7 +832,7 @@ def largest_batch_table(sources: list[Source]) -> Optional[str]:
 
 def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
            shape_changes: Optional[list[Source]] = None, largest_batch: Optional[list[Source]] = None,
-           bucket_vs_exact: Optional[list[Source]] = None) -> str:
+           bucket_vs_exact: Optional[list[Source]] = None, gemm_alone: Optional[list[Source]] = None) -> str:
     rows = newest_rows(sources)
     sources = shown_sources(sources, rows)
     parts = ["# Benchmarks", "", "fusepass's current performance, generated by `tools/benchmark_report.py` from the "
@@ -808,6 +846,7 @@ def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
                      "and with CUDA graphs (`mode=\"reduce-overhead\"`; each call a new step, as a training loop "
                      "runs it); the floor counts three GEMMs per linear (forward, dX, dW) at fusepass's precision, "
                      "and \"of floor\" is against fusepass's default mode.", training_table(rows))
+    parts += section("GEMM alone", GEMM_INTRO, gemm_alone_table(gemm_alone or []))
     parts += section("Small shapes, 128×1024→512", "Both problems at `--size 128,1024,512`, forwards and training "
                      "steps. Their floor is a few microseconds: these times are launch and host overhead.",
                      small_table(rows))
@@ -853,7 +892,7 @@ def kept_section(report: Path) -> str:
 
 def write(json_dir: Path, output: Path) -> None:
     text = render(load_sources(json_dir), kept_section(output), load_multi_gpu(json_dir), load_shape_changes(json_dir),
-                  load_largest_batch(json_dir), load_bucket_vs_exact(json_dir))
+                  load_largest_batch(json_dir), load_bucket_vs_exact(json_dir), load_gemm_alone(json_dir))
     output.write_text(text)
     print(f"wrote {shown_path(output)}")
 

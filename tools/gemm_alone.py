@@ -1,0 +1,105 @@
+"""fusepass's Triton GEMM alone (y = x @ W^T, no epilogue) against cuBLAS, per precision, at the seed
+shapes and the MLP's layers: for each, cuBLAS's time and fusepass's best tile config (every candidate the
+full search would time, gemm.gemm_configs; in fp32 also the 3xTF32 variants with an operand split in
+memory, the split included), TFLOP/s and the fraction of the GPU's dense peak. GPU only.
+
+    python tools/gemm_alone.py [--json FILE] [--shapes M,K,N ...] [--precisions bf16 tf32 tf32x3]
+
+Precisions: bf16 (both operands bf16, fp32 accumulation) against cuBLAS bf16; tf32 (fp32 operands on
+TF32 tensor cores, rounded to nearest) against cuBLAS with TF32 allowed; tf32x3 (fp32-accurate 3xTF32)
+against cuBLAS's IEEE fp32, eager's fp32. Times: do_bench medians, L2 flushed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from tabulate import tabulate
+
+from fusepass.lowering import gemm
+from fusepass.lowering.schema import Linear
+from fusepass.measure import source_commit
+from fusepass.numerics import rel_error
+
+# (M, K, N): the seed chains' 1024 x 8192 -> 8192 and 16384 x 4096 -> 4096, and the MLP's three layers
+# (torchvision MLP(1024, [4096, 4096, 256]) at batch 4096).
+SHAPES = [(1024, 8192, 8192), (16384, 4096, 4096), (4096, 1024, 4096), (4096, 4096, 4096), (4096, 4096, 256)]
+PRECISIONS = ("bf16", "tf32", "tf32x3")
+# Dense tensor-core peaks from the data sheets (H100 SXM and H200 alike), TFLOP/s; 3xTF32 makes three
+# TF32 products per fp32 one, so its peak is TF32's over three.
+PEAKS = {"bf16": 989e12, "tf32": 495e12, "tf32x3": 495e12 / 3}
+
+
+def candidates(precision: str) -> list[tuple[str, gemm.GemmConfig]]:
+    """(kernel precision, config) for every candidate; the fp32 precisions' pre-split variants too."""
+    kernel_precisions = {"bf16": ["native"], "tf32": ["tf32"], "tf32x3": ["tf32x3", "split_w", "split_x"]}
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return [(p, c) for p in kernel_precisions[precision] for c in gemm.gemm_configs(p, dtype)]
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def measure(m: int, k: int, n: int, precision: str) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+    exact = F.linear(x.double(), w.double())
+    flop = 2 * m * n * k
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    cublas_ms = bench(lambda: F.linear(x, w))
+    cublas_err = rel_error(F.linear(x, w), exact)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    best = None
+    for kernel_precision, config in candidates(precision):
+        linear = Linear(x, w, None)
+        if gemm.unlaunchable(x, w, kernel_precision, config):
+            continue
+        ms = bench(lambda: gemm.run_gemm(linear, kernel_precision, config))
+        if best is None or ms < best[0]:
+            best = (ms, f"{kernel_precision} {config.describe()}",
+                    rel_error(gemm.run_gemm(linear, kernel_precision, config).y, exact))
+    ms, config, err = best
+    return dict(m=m, k=k, n=n, precision=precision, cublas_ms=cublas_ms, cublas_tflops=flop / cublas_ms / 1e9,
+                cublas_rel_err=cublas_err, fusepass_config=config, fusepass_ms=ms, fusepass_tflops=flop / ms / 1e9,
+                fusepass_rel_err=err, vs_cublas=cublas_ms / ms, of_peak=flop / ms * 1e3 / PEAKS[precision])
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json")
+    parser.add_argument("--shapes", nargs="+", default=[",".join(map(str, s)) for s in SHAPES], metavar="M,K,N")
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    started = time.time()
+    rows = []
+    for shape in args.shapes:
+        m, k, n = (int(v) for v in shape.split(","))
+        for precision in args.precisions:
+            rows.append(measure(m, k, n, precision))
+            print(rows[-1], flush=True)
+    print(tabulate(rows, headers="keys", floatfmt=".3g"))
+    if args.json:
+        environment = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           date=time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(started)),
+                           command=" ".join(["python", *sys.argv]), commit=source_commit())
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment, "peaks": PEAKS, "gemm_alone": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
