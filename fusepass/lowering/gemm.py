@@ -1,13 +1,11 @@
 """The fused operator's Triton GEMM: y = x @ W^T + b on tensor cores, with the BatchNorm chain's
-first steps in its epilogue, so that the (N, F) result is not read again just to get statistics.
+first steps in its epilogue (gemm_epilogue.py), so that the (N, F) result is not read again just to get
+statistics.
 
-Epilogues (EPILOGUE):
-  EPILOGUE_LINEAR      store y (in x's dtype, like eager's linear);
-  EPILOGUE_STATISTICS  store y, and per row-tile and feature the mean and M2 of z = y * s1 (merged later
-                       with Chan's formula by the passes after the GEMM);
-  EPILOGUE_NORMALIZE   eval mode: store tail((z - running_mean) * invstd * gamma + beta) directly (and y
-                       only if the backward needs it).
-In eval mode the first row of programs also writes the per-feature mean and invstd the op returns.
+Tiles: a program per output tile, or (PERSISTENT, bf16/fp16 with K-major operands) one program per SM
+looping over the tiles in grouped order, its tile loop flattened into the K loop so that a tile's loads
+overlap the previous tile's epilogue, loading through TMA descriptors made inside the kernel (which,
+unlike host-made ones, a traced launch can carry).
 
 fp32 precisions (PRECISION): TF32 (what eager does when TF32 is allowed), TF32X3 (Triton's three-pass
 split: fp32-accurate on tensor cores), SPLIT_W (the same three passes with W split into tf32 hi + lo
@@ -31,12 +29,12 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusepass.lowering import limits, pointwise
-from fusepass.lowering.launch import launch, present_or_placeholder, unused_pointer
+from fusepass.lowering.gemm_epilogue import EPILOGUE_LINEAR, EPILOGUE_NORMALIZE, EPILOGUE_STATISTICS, tile_epilogue
+from fusepass.lowering.launch import launch, present_or_placeholder, tracing, unused_pointer
 from fusepass.lowering.normalize import Partials
-from fusepass.lowering.pointwise import apply_tail
 from fusepass.lowering.schema import BatchNorm, Linear, Scale, Tail
 from fusepass.lowering.tf32_split import split_row_stride, split_tf32, tf32_split
-from fusepass.lowering.tiles import batch_norm_tile, inverse_std, load_scale, tile_column_stats
+from fusepass.lowering.tiles import grouped_tile
 
 # GEMM precisions (PRECISION).
 NATIVE = tl.constexpr(0)
@@ -46,11 +44,7 @@ SPLIT_W = tl.constexpr(3)
 SPLIT_X = tl.constexpr(4)
 PRECISIONS = {"native": NATIVE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W, "split_x": SPLIT_X}
 PRE_SPLIT = ("split_w", "split_x")  # precisions whose kernel reads one operand as tf32 hi + lo from memory
-
-# What the GEMM does after its main loop (EPILOGUE).
-EPILOGUE_LINEAR = tl.constexpr(0)
-EPILOGUE_STATISTICS = tl.constexpr(1)
-EPILOGUE_NORMALIZE = tl.constexpr(2)
+EPILOGUES = (EPILOGUE_LINEAR, EPILOGUE_STATISTICS, EPILOGUE_NORMALIZE)  # gemm_epilogue.py
 
 
 @dataclass(frozen=True)
@@ -61,11 +55,13 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
-    tma: bool = False  # load the operand tiles through TMA tensor descriptors (Hopper's bulk copy engine)
+    tma: bool = False  # load the operand tiles through host-made TMA descriptors (Hopper's bulk copy engine)
+    persistent: bool = False  # one program per SM over the tiles, loading through in-kernel TMA descriptors
 
     def describe(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} "
-                f"w{self.num_warps} s{self.num_stages}" + (" tma" if self.tma else ""))
+                f"w{self.num_warps} s{self.num_stages}" + (" tma" if self.tma else "")
+                + (" persistent" if self.persistent else ""))
 
     def with_tma(self) -> "GemmConfig":
         return dataclasses.replace(self, tma=True)
@@ -88,6 +84,7 @@ class GemmMeta(NamedTuple):
     block_k: int
     group_m: int
     use_tma: bool
+    persistent: bool
 
 
 def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
@@ -110,6 +107,9 @@ def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
     else:
         configs = [GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4),
                    GemmConfig(64, 64, 64, 8, 4, 3)]
+        # Persistent, on the first's tiles (H100: 0.92-1.01x cuBLAS bf16 at 1024-16384 rows, against
+        # 0.76-0.84x a program per tile; tools/persistent_gemm_probe.py).
+        configs.append(dataclasses.replace(configs[0], persistent=True))
     return configs + [configs[0].with_tma()]
 
 
@@ -143,7 +143,14 @@ def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) 
         else None,
         limits.column_grid(k) if split is not None else None,
         limits.tma_descriptors(x, weight) if config.tma else None,
+        _persistent_unlaunchable(x, weight, precision) if config.persistent else None,
     )
+
+
+def _persistent_unlaunchable(x: Tensor, weight: Tensor, precision: str) -> Optional[str]:
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"the persistent GEMM multiplies bf16/fp16 operands, not {x.dtype}"
+    return limits.tma_layout(x, weight)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -240,18 +247,44 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr = META[10]
     GROUP_M: tl.constexpr = META[11]
     USE_TMA: tl.constexpr = META[12]
-    # Grouped tile order: GROUP_M row tiles share each W column tile while it is in L2.
-    pid = tl.program_id(0)
+    PERSISTENT: tl.constexpr = META[13]
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * num_pid_n
-    first_pid_m = (pid // group_size) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % group_size) % group_rows
-    pid_n = (pid % group_size) // group_rows
+    tail_tensors = (tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3)
+    if PERSISTENT:
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = x_desc.load([pid_m * BLOCK_M, k0])
+                b = w_desc.load([pid_n * BLOCK_N, k0]).T
+                acc = tl.dot(a, b, acc)
+            tile_epilogue(acc, pid_m, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N),
+                          M, N, y_col0, stride_ym, num_pid_m, bias_ptr, scale_ptr, running_mean_ptr,
+                          running_var_ptr, gamma_ptr, beta_ptr, tail_tensors, y_ptr, epilogue_out_ptr, mean_ptr,
+                          invstd_ptr, scale_value, eps, EPILOGUE, STORE_Y, EVAL_STATS, HAS_BIAS, SCALE_MODE,
+                          HAS_GAMMA, HAS_BETA, BLOCK_M, TAIL)
+    else:
+        pid_m, pid_n = grouped_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _tile_product(x_ptr, w_ptr, lo_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, pid_m, pid_n,
+                            rows, cols, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA)
+        tile_epilogue(acc, pid_m, rows, cols, M, N, y_col0, stride_ym, num_pid_m, bias_ptr, scale_ptr,
+                      running_mean_ptr, running_var_ptr, gamma_ptr, beta_ptr, tail_tensors, y_ptr, epilogue_out_ptr,
+                      mean_ptr, invstd_ptr, scale_value, eps, EPILOGUE, STORE_Y, EVAL_STATS, HAS_BIAS, SCALE_MODE,
+                      HAS_GAMMA, HAS_BETA, BLOCK_M, TAIL)
 
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+@triton.jit
+def _tile_product(x_ptr, w_ptr, lo_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, pid_m, pid_n, rows,
+                  cols, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
+    """The fp32 product of one output tile, a program's own."""
     if PRECISION == SPLIT_X:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y's tile transposed (see _dot)
     else:
@@ -294,35 +327,7 @@ def _gemm_kernel(
             acc = _k_block(x_ptrs, w_ptrs, lo_ptrs, ks, K - k_whole, acc, PRECISION, True)
     if PRECISION == SPLIT_X:
         acc = tl.trans(acc)
-
-    row_mask = rows < M
-    col_mask = cols < N
-    mask = row_mask[:, None] & col_mask[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    # Round to the linear's dtype as eager's linear does; everything after reads the rounded value.
-    y = acc.to(y_ptr.dtype.element_ty)
-    if STORE_Y:
-        tl.store(y_ptr + rows[:, None] * stride_ym + (y_col0 + cols)[None, :], y, mask=mask)
-    y = y.to(tl.float32)
-
-    s = load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
-    if EPILOGUE == EPILOGUE_STATISTICS:
-        count = tl.minimum(M - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
-        tile_mean, tile_m2 = tile_column_stats(y * s[None, :], row_mask, count)
-        tl.store(epilogue_out_ptr + pid_m * N + cols, tile_mean, mask=col_mask)
-        tl.store(epilogue_out_ptr + (num_pid_m + pid_m) * N + cols, tile_m2, mask=col_mask)
-    if EVAL_STATS:
-        mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        invstd = inverse_std(tl.load(running_var_ptr + cols, mask=col_mask, other=1.0).to(tl.float32), eps)
-        if pid_m == 0:
-            tl.store(mean_ptr + cols, mean, mask=col_mask)
-            tl.store(invstd_ptr + cols, invstd, mask=col_mask)
-        if EPILOGUE == EPILOGUE_NORMALIZE:
-            u = batch_norm_tile(y, s, mean, invstd, gamma_ptr, beta_ptr, cols, col_mask, HAS_GAMMA, HAS_BETA)
-            u = apply_tail(u, cols, col_mask, (tail_tensor_0, tail_tensor_1, tail_tensor_2, tail_tensor_3), TAIL)
-            tl.store(epilogue_out_ptr + rows[:, None] * N + cols[None, :], u.to(epilogue_out_ptr.dtype.element_ty),
-                     mask=mask)
+    return acc
 
 
 # --------------------------------------------------------------------------- launcher
@@ -408,7 +413,10 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
                     _descriptor(lo, lo_rows, k, lo_block, config.block_k))
     bn = eval_norm.batch_norm if eval_norm else None
     tail = eval_norm.tail if eval_norm else Tail()
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    grid = (torch.sym_min(sm_count(device), tiles) if config.persistent else tiles,)
+    if config.persistent and not tracing():  # traced, Inductor's launcher provides the descriptors' memory
+        triton.set_allocator(_scratch_allocator(device))
     launch(_gemm_kernel)[grid](
         *operands, opt(bias),
         opt(scale_before.tensor), opt(bn and bn.running_mean), opt(bn and bn.running_var),
@@ -424,11 +432,16 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
             has_bias=bias is not None, scale_mode=scale_before.mode,
             has_gamma=bn is not None and bn.weight is not None, has_beta=bn is not None and bn.bias is not None,
             block_m=config.block_m, block_n=config.block_n, block_k=config.block_k, group_m=config.group_m,
-            use_tma=config.tma)),
+            use_tma=config.tma, persistent=config.persistent)),
         TAIL=pointwise.tail_program(tail.program, tail.tensors),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return GemmOutputs(y, out, parts)
+
+
+def _scratch_allocator(device: torch.device):
+    """Global memory for the TMA descriptors a kernel makes (Triton asks the allocator set last)."""
+    return lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
 
 
 def _descriptor(t: Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> TensorDescriptor:

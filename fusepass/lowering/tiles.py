@@ -82,3 +82,13 @@ def batch_norm_tile(y, s, mean, invstd, gamma_ptr, beta_ptr, cols, col_mask,
     if HAS_BETA:
         u = u + tl.load(beta_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     return u
+
+
+@triton.jit
+def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of output tile number `tile` in grouped order: GROUP_M row tiles share each
+    W column tile while it is in L2."""
+    group_size = GROUP_M * num_pid_n
+    first_pid_m = (tile // group_size) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    return first_pid_m + (tile % group_size) % group_rows, (tile % group_size) // group_rows

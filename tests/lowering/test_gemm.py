@@ -1,6 +1,8 @@
 """The Triton GEMM with its epilogues (under TRITON_INTERPRET=1 on CPU, natively on CUDA), and the op's
 two implementations (Triton GEMM, cuBLAS GEMM) against the unfused chain in eager and float64."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -86,7 +88,11 @@ IMPLEMENTATIONS = [("triton", "tf32x3"), ("triton", "split_w"), ("triton", "spli
 def run_implementation(args, impl, precision):
     if impl == "cublas":
         return on_cublas(args, precision)
-    return on_triton_gemm(args, precision, SMALL.with_tma() if impl == "triton-tma" else SMALL)
+    config = {"triton": SMALL, "triton-tma": SMALL.with_tma(), "triton-persistent": PERSISTENT}[impl]
+    return on_triton_gemm(args, precision, config)
+
+
+PERSISTENT = dataclasses.replace(SMALL, persistent=True)
 
 
 @pytest.mark.parametrize("impl, precision", IMPLEMENTATIONS)
@@ -106,7 +112,8 @@ def test_implementations_match_eager_by_float64(impl, precision, training, tail,
         assert fused.linear_out.numel() == 0
 
 
-@pytest.mark.parametrize("impl, precision", [("triton", "native"), ("triton-tma", "native"), ("cublas", "native")])
+@pytest.mark.parametrize("impl, precision", [("triton", "native"), ("triton-tma", "native"),
+                                             ("triton-persistent", "native"), ("cublas", "native")])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_half_precision_implementations(impl, precision, training, dtype):
@@ -115,6 +122,25 @@ def test_half_precision_implementations(impl, precision, training, dtype):
     fused = run_implementation(args, impl, precision)
     assert fused.out.dtype == dtype
     assert_like_eager(fused, args)
+
+
+@pytest.mark.parametrize("training, softmax", [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_persistent_programs_loop_over_every_tile(training, softmax, dtype):
+    """More tiles than programs (on CPU one program walks them all; on CUDA 3 x 2 tiles of 16 x 32 with
+    odd edges), through each epilogue: statistics, normalize, and the eval statistics before softmax."""
+    args = make_args(45, 32, 40, dtype=dtype, training=training, softmax=softmax, tail="gelu_relu", momentum=0.3)
+    assert gemm.unlaunchable(args.linear.x, args.linear.weight, "native", PERSISTENT) is None
+    assert_like_eager(run_implementation(args, "triton-persistent", "native"), args)
+
+
+def test_persistent_gemm_needs_tma_rows_and_half_precision():
+    x, w = torch.randn(8, 12, dtype=torch.float16), torch.randn(16, 12, dtype=torch.float16)
+    assert "16-byte" in gemm.unlaunchable(x, w, "native", PERSISTENT)  # rows of 24 bytes
+    x, w = torch.randn(8, 16, dtype=torch.float16), torch.randn(16, 16, dtype=torch.float16)
+    assert gemm.unlaunchable(x, w, "native", PERSISTENT) is None
+    assert "contiguous" in gemm.unlaunchable(x.t().contiguous().t(), w, "native", PERSISTENT)
+    assert "bf16/fp16" in gemm.unlaunchable(x.float(), w.float(), "tf32x3", PERSISTENT)
 
 
 @pytest.mark.parametrize("softmax", [False, True])

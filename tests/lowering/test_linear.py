@@ -2,6 +2,8 @@
 dX = g @ W, dW = g^T @ x; under TRITON_INTERPRET=1 on CPU, natively on CUDA), its candidates, and the op
 with its autograd formula against eager and float64."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,12 +150,13 @@ def test_short_search_times_fewer_configs_and_small_tiles_only_where_sms_idle():
     configs = gemm.gemm_configs("native", torch.bfloat16)
     cuda = torch.device("cuda")
     many_tiles = gemm.shortlist(configs, 8192, 8192, torch.device("cpu"))
-    assert many_tiles == [configs[0], configs[0].with_tma()]
+    persistent = dataclasses.replace(configs[0], persistent=True)
+    assert many_tiles == [configs[0], persistent, configs[0].with_tma()]  # the first's tiles, every way
     split = gemm.gemm_configs("split_x", torch.float32)  # one tile shape at two pipeline depths: all kept
     assert gemm.shortlist(split, 8192, 8192, torch.device("cpu")) == split
     if torch.cuda.is_available():
         few_tiles = gemm.shortlist(configs, 128, 512, cuda)
-        assert few_tiles[:2] == many_tiles and few_tiles[2].block_m == 64 and len(few_tiles) == 3
+        assert few_tiles[:3] == many_tiles and few_tiles[3].block_m == 64 and len(few_tiles) == 4
 
 
 def test_op_on_cpu_is_eager_linear_with_its_gradients():
