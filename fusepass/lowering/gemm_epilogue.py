@@ -52,9 +52,12 @@ def tile_epilogue(acc, pid_m, rows, cols, M, N, y_col0, stride_ym, num_pid_m,
     if EVAL_STATS:
         mean = tl.load(running_mean_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         invstd = inverse_std(tl.load(running_var_ptr + cols, mask=col_mask, other=1.0).to(tl.float32), eps)
-        if pid_m == 0:
-            tl.store(mean_ptr + cols, mean, mask=col_mask)
-            tl.store(invstd_ptr + cols, invstd, mask=col_mask)
+        # The first row of tiles writes them; a masked store, not a branch: triton 3.6's fusion of a
+        # persistent kernel's tile loop into its K loop fails on a branch here ("scf.if op region control
+        # flow edge ... needs 5"), where the loaded values are used only inside it.
+        first_row_tile = col_mask & ((tl.zeros_like(cols) + pid_m) == 0)
+        tl.store(mean_ptr + cols, mean, mask=first_row_tile)
+        tl.store(invstd_ptr + cols, invstd, mask=first_row_tile)
         if EPILOGUE == EPILOGUE_NORMALIZE:
             u = batch_norm_tile(y, s, mean, invstd, gamma_ptr, beta_ptr, cols, col_mask, HAS_GAMMA, HAS_BETA)
             u = apply_tail(u, cols, col_mask, tail_tensors, TAIL)

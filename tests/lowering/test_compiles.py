@@ -52,10 +52,10 @@ def _output_meta(source, tail) -> dict:
                                       block_r=32, block_c=64)), TAIL=tail)
 
 
-def _gemm_meta(precision: str, epilogue, tail, persistent: bool = False) -> dict:
+def _gemm_meta(precision: str, epilogue, tail, persistent: bool = False, eval_stats: bool = False) -> dict:
     return dict(META=tuple(gemm.GemmMeta(
         precision=gemm.PRECISIONS[precision].value, epilogue=epilogue.value, store_y=True,
-        eval_stats=epilogue == gemm.EPILOGUE_NORMALIZE, has_bias=True, scale_mode=SCALE_NUMBER.value,
+        eval_stats=eval_stats or epilogue == gemm.EPILOGUE_NORMALIZE, has_bias=True, scale_mode=SCALE_NUMBER.value,
         has_gamma=True, has_beta=False, block_m=64, block_n=64, block_k=32, group_m=8, use_tma=False,
         persistent=persistent)), TAIL=tail)
 
@@ -80,9 +80,12 @@ def cases() -> dict:
                                                     ("split_w", gemm.EPILOGUE_NORMALIZE, TAIL, "*fp32"),
                                                     ("native", gemm.EPILOGUE_NORMALIZE, TAIL, "*bf16")):
         found[f"gemm_kernel[{precision}]"] = (gemm._gemm_kernel, _gemm_meta(precision, epilogue, tail), pointer_type)
-    for epilogue, tail in ((gemm.EPILOGUE_STATISTICS, NO_TAIL), (gemm.EPILOGUE_NORMALIZE, TAIL)):
+    # The persistent walk through each epilogue: training's statistics, eval's normalization, and eval's
+    # statistics alone before a softmax pass.
+    for epilogue, tail, eval_stats in ((gemm.EPILOGUE_STATISTICS, NO_TAIL, False), (gemm.EPILOGUE_NORMALIZE, TAIL, True),
+                                       (gemm.EPILOGUE_LINEAR, NO_TAIL, True)):
         found[f"gemm_kernel[native-persistent-{epilogue.value}]"] = (
-            gemm._gemm_kernel, _gemm_meta("native", epilogue, tail, persistent=True), "*bf16")
+            gemm._gemm_kernel, _gemm_meta("native", epilogue, tail, True, eval_stats), "*bf16")
     return found
 
 
