@@ -8,6 +8,8 @@ from torch._dynamo.utils import counters
 
 import fusepass
 from fusepass.lowering import tuning
+from fusepass.lowering.linear import LINEAR
+from fusepass.lowering.op import CHAIN
 from tests.chains import assert_fused, requires_cuda
 from tests.real_models import CPU_SIZES, CUDA_SIZES, SYSTEMS, DinoHead, TrainingRun
 
@@ -31,12 +33,20 @@ def _train_and_evaluate(system: str, sizes, device: str, steps: int) -> None:
     torch.manual_seed(0)
     run = TrainingRun.of(lambda: SYSTEMS[system](sizes), device)
     counters["fusepass"].clear()
-    for step in range(steps):
-        run.train_step(step, device)
-    run.eval_forward(device)
-    run.finish()
+    try:
+        for step in range(steps):
+            run.train_step(step, device)
+        run.eval_forward(device)
+        run.finish()
+    except AssertionError as error:  # which implementations ran: with tuning on they vary from run to run
+        raise AssertionError(f"{error}\nthe fused ops' choices:\n{_choices()}") from None
     graphs, rewrites, linears = COUNTS[system]
     assert_fused(rewrites=rewrites, graphs=graphs, linears=linears)
+
+
+def _choices() -> str:
+    return "\n".join(f"  {problem.describe()} traced={traced}: {impl.name if impl else None}"
+                     for op in (CHAIN, LINEAR) for (problem, traced), impl in op._chosen.items())
 
 
 @pytest.mark.parametrize("system", sorted(SYSTEMS))

@@ -82,8 +82,8 @@ def cases() -> dict:
         found[f"gemm_kernel[{precision}]"] = (gemm._gemm_kernel, _gemm_meta(precision, epilogue, tail), pointer_type)
     # The persistent walk through each epilogue: training's statistics, eval's normalization, and eval's
     # statistics alone before a softmax pass.
-    for epilogue, tail, eval_stats in ((gemm.EPILOGUE_STATISTICS, NO_TAIL, False), (gemm.EPILOGUE_NORMALIZE, TAIL, True),
-                                       (gemm.EPILOGUE_LINEAR, NO_TAIL, True)):
+    for epilogue, tail, eval_stats in ((gemm.EPILOGUE_STATISTICS, NO_TAIL, False),
+                                       (gemm.EPILOGUE_NORMALIZE, TAIL, True), (gemm.EPILOGUE_LINEAR, NO_TAIL, True)):
         found[f"gemm_kernel[native-persistent-{epilogue.value}]"] = (
             gemm._gemm_kernel, _gemm_meta("native", epilogue, tail, True, eval_stats), "*bf16")
     return found
