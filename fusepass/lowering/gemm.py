@@ -44,7 +44,6 @@ SPLIT_W = tl.constexpr(3)
 SPLIT_X = tl.constexpr(4)
 PRECISIONS = {"native": NATIVE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W, "split_x": SPLIT_X}
 PRE_SPLIT = ("split_w", "split_x")  # precisions whose kernel reads one operand as tf32 hi + lo from memory
-EPILOGUES = (EPILOGUE_LINEAR, EPILOGUE_STATISTICS, EPILOGUE_NORMALIZE)  # gemm_epilogue.py
 
 
 @dataclass(frozen=True)
@@ -107,8 +106,8 @@ def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
     else:
         configs = [GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4),
                    GemmConfig(64, 64, 64, 8, 4, 3)]
-        # Persistent, on the first's tiles (H100: 0.92-1.01x cuBLAS bf16 at 1024-16384 rows, against
-        # 0.76-0.84x a program per tile; tools/persistent_gemm_probe.py).
+        # Persistent, on the first's tiles (H100: 0.95-0.99x cuBLAS bf16 at the seed chains' and the MLP's
+        # wide layers, against 0.78-0.84x a program per tile; BENCHMARKS.md "GEMM alone").
         configs.append(dataclasses.replace(configs[0], persistent=True))
     return configs + [configs[0].with_tma()]
 
@@ -143,11 +142,11 @@ def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) 
         else None,
         limits.column_grid(k) if split is not None else None,
         limits.tma_descriptors(x, weight) if config.tma else None,
-        _persistent_unlaunchable(x, weight, precision) if config.persistent else None,
+        _persistent_unlaunchable(x, weight) if config.persistent else None,
     )
 
 
-def _persistent_unlaunchable(x: Tensor, weight: Tensor, precision: str) -> Optional[str]:
+def _persistent_unlaunchable(x: Tensor, weight: Tensor) -> Optional[str]:
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"the persistent GEMM multiplies bf16/fp16 operands, not {x.dtype}"
     return limits.tma_layout(x, weight)
