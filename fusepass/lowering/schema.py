@@ -51,7 +51,10 @@ class Linear:
         return dataclasses.replace(self, weight=self.weight.to(self.x.dtype))
 
     def compute_weight_like(self) -> Tensor:
-        """A meta tensor shaped, strided and typed as the weight the GEMM reads (limits.py checks it)."""
+        """The weight the GEMM reads, for limits.py to check: the weight itself, or for a cast (made later,
+        in a buffer of its own) a meta tensor shaped, strided and typed like it."""
+        if not self.casts_weight:
+            return self.weight
         w = self.weight
         return torch.empty_strided(w.shape, w.stride(), dtype=self.x.dtype, device="meta")
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fusepass.lowering import gemm, limits
-from fusepass.lowering.implementations import on_cublas, on_triton_gemm
+from fusepass.lowering.implementations import Implementation, on_cublas, on_triton_gemm
 from fusepass.lowering.schema import Linear
 from fusepass.lowering.tf32_split import split_tf32
 from tests.chains import assert_no_further_from_float64, requires_cuda
@@ -132,6 +132,17 @@ def test_persistent_programs_loop_over_every_tile(training, softmax, dtype):
     args = make_args(45, 32, 40, dtype=dtype, training=training, softmax=softmax, tail="gelu_relu", momentum=0.3)
     assert gemm.unlaunchable(args.linear.x, args.linear.weight, "native", PERSISTENT) is None
     assert_like_eager(run_implementation(args, "triton-persistent", "native"), args)
+
+
+def test_a_misaligned_weight_is_checked_itself():
+    """The chain checks the weight its GEMM reads: a view starting one element into its storage cannot
+    back a TMA descriptor (a stand-in for it would start aligned)."""
+    args = make_args(8, 16, 24, dtype=torch.float16, device="cpu")
+    storage = torch.empty(24 * 16 + 1, dtype=torch.float16)
+    weight = storage[1:].view(24, 16).copy_(args.linear.weight)
+    args = dataclasses.replace(args, linear=dataclasses.replace(args.linear, weight=weight))
+    assert "16-byte" in Implementation("native", PERSISTENT).unlaunchable(args)
+    assert Implementation("native", SMALL).unlaunchable(args) is None  # pointer loads take any offset
 
 
 def test_persistent_gemm_needs_tma_rows_and_half_precision():
