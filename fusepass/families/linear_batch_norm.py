@@ -24,8 +24,8 @@ from fusepass.families.linear import (LINEAR_TARGETS, MATMUL_TARGETS, SUPPORTED_
 from fusepass.families.tail import (DROPOUT_TARGETS, SOFTMAX_TARGETS, TAIL_TARGETS, TailArgs, grow_tail,
                                     parse_identity_dropout)
 from fusepass.lowering.pointwise import MAX_TAIL_TENSORS
-from fusepass.lowering.schema import (AUTOCAST_DTYPES, BatchNorm, ChainArgs, ChainOutputs, KernelOptions, Linear, Scale,
-                                     Tail, flatten)
+from fusepass.lowering.schema import (BatchNorm, ChainArgs, ChainOutputs, KernelOptions, Linear, Scale, Tail, flatten,
+                                     op_casts_weight)
 from fusepass.matcher import ChainFamily, Match, NoMatch, Step, bind_arguments, carry_sources, is_call, meta_value
 from fusepass.sync_batch_norm import sync_batch_norm
 
@@ -182,8 +182,7 @@ def _op_args(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Ker
             value = _to_device(graph, value, device)
             return _cast(graph, value, compute_dtype) if cast else value
 
-    # An fp32 weight under autocast goes in as it is: the op casts it, and its gradient comes back in fp32.
-    autocast_weight = _dtype_of(linear.weight) == torch.float32 and compute_dtype in AUTOCAST_DTYPES
+    autocast_weight = op_casts_weight(meta_value(linear.weight).dtype, compute_dtype)
 
     def tail(step: Optional[TailArgs]) -> Tail:
         if step is None:
@@ -222,11 +221,6 @@ def _to_device(graph: Graph, node: Optional[Node], device: torch.device) -> Opti
     if not isinstance(value, torch.Tensor) or value.device == device:
         return node
     return graph.call_method("to", (node, device))
-
-
-def _dtype_of(node: Optional[Node]) -> Optional[torch.dtype]:
-    value = meta_value(node)
-    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
 def _cast(graph: Graph, node: Optional[Node], dtype: torch.dtype) -> Optional[Node]:

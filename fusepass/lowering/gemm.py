@@ -32,7 +32,7 @@ from fusepass.lowering import limits, pointwise
 from fusepass.lowering.gemm_epilogue import EPILOGUE_LINEAR, EPILOGUE_NORMALIZE, EPILOGUE_STATISTICS, tile_epilogue
 from fusepass.lowering.launch import launch, present_or_placeholder, tracing, unused_pointer
 from fusepass.lowering.normalize import Partials
-from fusepass.lowering.schema import BatchNorm, Linear, Scale, Tail
+from fusepass.lowering.schema import FLOAT16_DTYPES, BatchNorm, Linear, Scale, Tail
 from fusepass.lowering.tf32_split import split_row_stride, split_tf32, tf32_split
 from fusepass.lowering.tiles import grouped_tile
 
@@ -147,7 +147,7 @@ def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) 
 
 
 def _persistent_unlaunchable(x: Tensor, weight: Tensor) -> Optional[str]:
-    if x.dtype not in (torch.bfloat16, torch.float16):
+    if x.dtype not in FLOAT16_DTYPES:
         return f"the persistent GEMM multiplies bf16/fp16 operands, not {x.dtype}"
     return limits.tma_layout(x, weight)
 

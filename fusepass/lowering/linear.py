@@ -26,14 +26,12 @@ from fusepass.lowering.choice import (cublas_traceable, gemm_option, matmul_prec
                                       triton_configs)
 from fusepass.lowering.implementations import cublas_precision
 from fusepass.lowering.launch import hint
-from fusepass.lowering.schema import KernelOptions, Linear
+from fusepass.lowering.schema import FLOAT16_DTYPES, KernelOptions, Linear
 from fusepass.lowering.tf32_split import split_row_stride
 from fusepass.lowering.tuned_op import Declaration, TunedOp
 from fusepass.lowering.tuning import Problem, bucket
 
 OP_NAME = "fusepass::linear"
-# Operand dtypes whose product the op can return in fp32 (out_dtype).
-WIDENED = (torch.bfloat16, torch.float16)
 
 
 class LinearCall(NamedTuple):
@@ -173,9 +171,10 @@ def _validate(call: LinearCall) -> None:
                            f"({x.shape[0]}x{x.shape[1]} and {weight.shape[1]}x{weight.shape[0]})")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise RuntimeError("fusepass.linear: x, weight and bias must have the same dtype")
-    if _out_dtype(call) not in (x.dtype, torch.float32) or (_out_dtype(call) != x.dtype and x.dtype not in WIDENED):
+    out_dtype = _out_dtype(call)
+    if out_dtype not in (x.dtype, torch.float32) or (out_dtype != x.dtype and x.dtype not in FLOAT16_DTYPES):
         raise RuntimeError(f"fusepass.linear: out_dtype {call.out_dtype} for {x.dtype} operands: "
-                           f"only fp32 from {WIDENED[0]} or {WIDENED[1]}")
+                           f"only fp32 from {FLOAT16_DTYPES[0]} or {FLOAT16_DTYPES[1]}")
 
 
 def _out_dtype(call: LinearCall) -> torch.dtype:

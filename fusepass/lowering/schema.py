@@ -27,10 +27,16 @@ from fusepass.lowering.tiles import scale_mode
 
 FP32_MATMUL = ("tf32x3", "ieee")
 GEMM_CHOICES = ("auto", "triton", "cublas")
-# The dtypes autocast runs a linear in. Under autocast the op takes the fp32 weight as the model holds it
-# and casts it itself: its weight gradient then comes out of the GEMM's fp32 accumulators in fp32,
-# instead of being rounded to the autocast dtype and cast back.
-AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+# The 16-bit float dtypes: autocast's, the ones the GEMMs multiply natively, and the ones whose products
+# fusepass::linear can return in fp32.
+FLOAT16_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def op_casts_weight(weight_dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
+    """Whether the op takes the weight as the model holds it and casts it for its GEMM itself: an fp32
+    weight under autocast. Its gradient then comes out of the GEMM's fp32 accumulators in fp32, instead of
+    being rounded to the autocast dtype and cast back."""
+    return weight_dtype == torch.float32 and compute_dtype in FLOAT16_DTYPES
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,8 @@ class Linear:
     def validate(self) -> None:
         """Eager's dtype check, but for the fp32 weight that autocast casts."""
         x, weight, bias = self.x, self.weight, self.bias
-        autocast_weight = weight.dtype == torch.float32 and x.dtype in AUTOCAST_DTYPES
-        if (weight.dtype != x.dtype and not autocast_weight) or (bias is not None and bias.dtype != x.dtype):
+        cast_weight = op_casts_weight(weight.dtype, x.dtype)
+        if (weight.dtype != x.dtype and not cast_weight) or (bias is not None and bias.dtype != x.dtype):
             raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got {x.dtype} and {weight.dtype}")
 
 
