@@ -33,8 +33,8 @@ from fusepass.lowering.gemm_epilogue import EPILOGUE_LINEAR, EPILOGUE_NORMALIZE,
 from fusepass.lowering.launch import launch, present_or_placeholder, tracing, unused_pointer
 from fusepass.lowering.normalize import Partials
 from fusepass.lowering.schema import FLOAT16_DTYPES, BatchNorm, Linear, Scale, Tail
-from fusepass.lowering.tf32_split import split_row_stride, split_tf32, tf32_split
-from fusepass.lowering.tiles import grouped_tile
+from fusepass.lowering.tf32_split import split_tf32, tf32_split
+from fusepass.lowering.tiles import grouped_tile, tile_offsets
 
 # GEMM precisions (PRECISION).
 NATIVE = tl.constexpr(0)
@@ -133,14 +133,9 @@ def sm_count(device: torch.device) -> int:
 
 def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) -> Optional[str]:
     """Why run_gemm cannot run x @ weight^T in this precision and config (limits.py), or None."""
-    m, k = x.shape
-    split = {"split_x": x, "split_w": weight}.get(precision)
+    split = precision in ("split_x", "split_w")
     return limits.first(
-        limits.int32_offsets(x=x, weight=weight),
-        limits.int32_buffer("the linear output", m, weight.shape[0]),
-        limits.int32_buffer("the split operand", split.shape[0], split_row_stride(k)) if split is not None
-        else None,
-        limits.column_grid(k) if split is not None else None,
+        limits.column_grid(x.shape[1]) if split else None,
         limits.tma_descriptors(x, weight) if config.tma else None,
         _persistent_unlaunchable(x, weight) if config.persistent else None,
     )
@@ -304,8 +299,8 @@ def _tile_product(x_ptr, w_ptr, lo_ptr, M, N, K, stride_xm, stride_xk, stride_wn
         ks = tl.arange(0, BLOCK_K)
         # Out-of-range rows/columns wrap around for the loads (always in bounds, no masks in the main
         # loop); their results are never stored. The low half has its operand's shape and strides.
-        x_offsets = (rows % M)[:, None] * stride_xm + ks[None, :] * stride_xk
-        w_offsets = (cols % N)[None, :] * stride_wn + ks[:, None] * stride_wk
+        x_offsets = tile_offsets(rows % M, ks, stride_xm, stride_xk)
+        w_offsets = tile_offsets(ks, cols % N, stride_wk, stride_wn)
         x_ptrs = x_ptr + x_offsets
         w_ptrs = w_ptr + w_offsets
         if PRECISION == SPLIT_X:

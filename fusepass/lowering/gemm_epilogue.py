@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from fusepass.lowering.pointwise import apply_tail
-from fusepass.lowering.tiles import batch_norm_tile, inverse_std, load_scale, tile_column_stats
+from fusepass.lowering.tiles import batch_norm_tile, inverse_std, load_scale, tile_column_stats, tile_offsets
 
 EPILOGUE_LINEAR = tl.constexpr(0)
 EPILOGUE_STATISTICS = tl.constexpr(1)
@@ -40,7 +40,7 @@ def tile_epilogue(acc, pid_m, rows, cols, M, N, y_col0, stride_ym, num_pid_m,
     # Round to the linear's dtype as eager's linear does; everything after reads the rounded value.
     y = acc.to(y_ptr.dtype.element_ty)
     if STORE_Y:
-        tl.store(y_ptr + rows[:, None] * stride_ym + (y_col0 + cols)[None, :], y, mask=mask)
+        tl.store(y_ptr + tile_offsets(rows, y_col0 + cols, stride_ym, 1), y, mask=mask)
     y = y.to(tl.float32)
 
     s = load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
@@ -61,5 +61,5 @@ def tile_epilogue(acc, pid_m, rows, cols, M, N, y_col0, stride_ym, num_pid_m,
         if EPILOGUE == EPILOGUE_NORMALIZE:
             u = batch_norm_tile(y, s, mean, invstd, gamma_ptr, beta_ptr, cols, col_mask, HAS_GAMMA, HAS_BETA)
             u = apply_tail(u, cols, col_mask, tail_tensors, TAIL)
-            tl.store(epilogue_out_ptr + rows[:, None] * N + cols[None, :], u.to(epilogue_out_ptr.dtype.element_ty),
+            tl.store(epilogue_out_ptr + tile_offsets(rows, cols, N, 1), u.to(epilogue_out_ptr.dtype.element_ty),
                      mask=mask)

@@ -49,7 +49,6 @@ class Implementation:
         return limits.first(
             limits.off_device(x.device, [a for a in flatten(args) if isinstance(a, Tensor)]),
             limits.some_rows(x.shape[0]),
-            limits.int32_buffer("the output", x.shape[0], n_features),
             limits.column_grid(n_features),
             gemm.unlaunchable(x, args.linear.compute_weight_like(), self.precision, self.config)
             if self.config else None,

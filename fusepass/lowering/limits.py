@@ -10,8 +10,6 @@ eager's results, never a failed launch or a wrong offset.
 - Rows: at least one. The GEMM wraps row indices modulo the row count; the linear op's Triton GEMM also
   needs an output of at least one column and a reduction of at least one element (a 0-row batch's weight
   gradient has none), and sizes its blocks by them.
-- 32-bit offsets: the kernels index in int32, so each tensor's furthest element, from its strides, must
-  lie below 2**31 elements.
 - Grids: the passes and the split launch 2-D grids whose second dimension covers the columns in blocks of
   64, and CUDA allows at most 65535 there.
 - TMA: a descriptor needs Hopper or newer, a contiguous last dimension and 16-byte aligned base and row
@@ -32,36 +30,14 @@ from torch._subclasses.fake_tensor import is_fake
 
 log = logging.getLogger(__name__)
 
-INT32_ELEMENTS = 2**31 - 1
 MAX_GRID_Y = 65535
 COLUMN_BLOCK = 64  # the widest column block of a 2-D grid's second dimension (normalize.py, tf32_split.py)
-
-
-def furthest_element(t: Tensor) -> int:
-    """The offset, in elements, of a tensor's furthest element from its first (0 for an empty one)."""
-    if t.numel() == 0:
-        return 0
-    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
 
 
 def off_device(device: torch.device, tensors: Iterable[Optional[Tensor]]) -> Optional[str]:
     for t in tensors:
         if t is not None and t.device != device:
             return f"a {tuple(t.shape)} operand is on {t.device}, the call on {device}"
-    return None
-
-
-def int32_offsets(**tensors: Optional[Tensor]) -> Optional[str]:
-    for name, t in tensors.items():
-        if t is not None and furthest_element(t) > INT32_ELEMENTS:
-            return f"{name} spans {furthest_element(t)} elements: past 32-bit offsets"
-    return None
-
-
-def int32_buffer(name: str, rows: int, cols: int) -> Optional[str]:
-    """A row-major (rows, cols) buffer the kernels allocate and index."""
-    if rows * cols - 1 > INT32_ELEMENTS:
-        return f"{name} ({rows} x {cols}) is past 32-bit offsets"
     return None
 
 

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from fusepass.lowering.pointwise import apply_tail
 from fusepass.lowering.tiles import (batch_norm_tile, chan_merge, exp_accurate, inverse_std, load_scale,
-                                     tile_column_stats)
+                                     tile_column_stats, tile_offsets)
 
 # Where an output pass gets mean and invstd (STATS_SOURCE).
 STATS_READ = tl.constexpr(0)
@@ -63,7 +63,7 @@ def partial_stats_kernel(
         rows = r0 + tl.arange(0, BLOCK_R)
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
-        y = tl.load(y_ptr + rows[:, None] * stride_yr + cols[None, :] * stride_yc, mask=mask, other=0.0)
+        y = tl.load(y_ptr + tile_offsets(rows, cols, stride_yr, stride_yc), mask=mask, other=0.0)
         tile_count = tl.minimum(row_end - r0, BLOCK_R).to(tl.float32)
         tile_mean, tile_m2 = tile_column_stats(y.to(tl.float32) * s[None, :], row_mask, tile_count)
         count, mean, m2 = chan_merge(count, mean, m2, tile_count, tile_mean, tile_m2)
@@ -164,7 +164,7 @@ def _normalized_tile(
     y_ptr, scale_ptr, gamma_ptr, beta_ptr = params
     mask = row_mask[:, None] & col_mask[None, :]
     s = load_scale(scale_ptr, scale_value, cols, col_mask, SCALE_MODE)
-    y = tl.load(y_ptr + rows[:, None] * stride_yr + cols[None, :] * stride_yc, mask=mask, other=0.0)
+    y = tl.load(y_ptr + tile_offsets(rows, cols, stride_yr, stride_yc), mask=mask, other=0.0)
     u = batch_norm_tile(y.to(tl.float32), s, mean, invstd, gamma_ptr, beta_ptr, cols, col_mask, HAS_GAMMA, HAS_BETA)
     return apply_tail(u, cols, col_mask, tail_tensors, TAIL)
 
@@ -224,7 +224,7 @@ def normalize_kernel(
     u = _output_tile(params, tail_tensors, stats, rows, cols, row_mask, col_mask, pid_r, n_rows, n_cols,
                      rows_per_part, stride_yr, stride_yc, scale_value, momentum, eps,
                      SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, TAIL)
-    tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
+    tl.store(out_ptr + tile_offsets(rows, cols, stride_or, stride_oc),
              u.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
@@ -289,5 +289,5 @@ def normalize_softmax_kernel(
                          SCALE_MODE, HAS_GAMMA, HAS_BETA, STATS_SOURCE, UPDATE_RUNNING, TAIL)
         u = tl.where(col_mask[None, :], u, float("-inf"))
         p = tl.math.div_rn(exp_accurate(u - shift[:, None], ACCURATE_EXP), row_sum[:, None])
-        tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :] * stride_oc,
+        tl.store(out_ptr + tile_offsets(rows, cols, stride_or, stride_oc),
                  p.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])

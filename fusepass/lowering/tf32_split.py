@@ -10,6 +10,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.lowering.launch import launch
+from fusepass.lowering.tiles import tile_offsets
 
 SPLIT_ROW_ALIGNMENT = 16  # elements: a split operand's rows are 64-byte aligned, whatever its width
 
@@ -36,12 +37,13 @@ def _tf32_split_kernel(
 ):
     """Splits a 2-D tensor of any strides into row-major hi + lo in one pass: a transposed operand is
     made K-major here, in the same read and write as the split, not by a copy before it."""
-    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
-    c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[None, :]
-    mask = (r < rows) & (c < cols)
-    hi, lo = tf32_split(tl.load(src_ptr + r * stride_src_row + c * stride_src_col, mask=mask, other=0.0))
-    tl.store(hi_ptr + r * stride_out_row + c, hi, mask=mask)
-    tl.store(lo_ptr + r * stride_out_row + c, lo, mask=mask)
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    hi, lo = tf32_split(tl.load(src_ptr + tile_offsets(r, c, stride_src_row, stride_src_col), mask=mask, other=0.0))
+    out_offsets = tile_offsets(r, c, stride_out_row, 1)
+    tl.store(hi_ptr + out_offsets, hi, mask=mask)
+    tl.store(lo_ptr + out_offsets, lo, mask=mask)
 
 
 def split_tf32(t: Tensor) -> tuple[Tensor, Tensor]:

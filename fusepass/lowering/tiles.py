@@ -85,6 +85,13 @@ def batch_norm_tile(y, s, mean, invstd, gamma_ptr, beta_ptr, cols, col_mask,
 
 
 @triton.jit
+def tile_offsets(rows, cols, stride_rows, stride_cols):
+    """The element offsets of a tile of rows x cols, in int64: a tensor past 2**31 elements (a large batch
+    of a wide layer) would wrap int32 offsets."""
+    return rows.to(tl.int64)[:, None] * stride_rows + cols.to(tl.int64)[None, :] * stride_cols
+
+
+@triton.jit
 def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """(row tile, column tile) of output tile number `tile` in grouped order: GROUP_M row tiles share each
     W column tile while it is in L2."""

@@ -48,13 +48,10 @@ def test_candidates_per_choice():
     assert any(name.endswith(" tma") for name in auto)  # 16 fp32 per row: 16-byte aligned rows
     unaligned = make_args(8, 17, 4).linear.x[:, 1:]
     assert not any(name.endswith(" tma") for name in candidates(with_operands(args, unaligned, unaligned)))
-    # 2^32 outputs: past the kernels' 32-bit offsets, the GEMM's and the passes' alike (the op then runs
-    # the unfused math: tests/lowering/test_limits.py)
+    # 2^31 outputs and more: the kernels' offsets are int64, so the GEMM and the passes still take them
     meta = make_args(8, 16, 4, device="meta")
-    huge = torch.empty(2**16, 2**15, device="meta")
-    assert candidates(with_operands(meta, huge, huge)) == {}
-    wide = torch.empty(2**16 + 1, 2**15, device="meta"), torch.empty(2**10, 2**15, device="meta")
-    assert list(candidates(with_operands(meta, *wide))) == ["cublas"]  # the GEMM's x alone
+    huge = torch.empty(2**16 + 1, 2**15, device="meta")
+    assert any(name.startswith("triton") for name in candidates(with_operands(meta, huge, huge)))
 
 
 def test_tf32_triton_only_offers_no_cublas():

@@ -18,21 +18,6 @@ from tests.lowering.cases import KERNEL_DEVICE, assert_like_eager, make_args
 SMALL = gemm.GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=2)
 
 
-def strided(shape, stride):
-    """A tensor of any strides without its memory: a meta tensor."""
-    return torch.empty_strided(shape, stride, device="meta")
-
-
-def test_int32_offsets_are_measured_from_the_strides():
-    assert limits.furthest_element(strided((3, 4), (4, 1))) == 11
-    assert limits.furthest_element(strided((3, 4), (1, 3))) == 11  # a transposed view
-    assert limits.furthest_element(strided((0, 4), (4, 1))) == 0
-    assert limits.int32_offsets(x=strided((2**16, 2**15), (2**15, 1))) is None  # 2**31 - 1: the last offset
-    assert "past 32-bit" in limits.int32_offsets(x=strided((2**16 + 1, 2**15), (2**15, 1)))
-    assert "past 32-bit" in limits.int32_offsets(x=strided((2, 2), (2**31, 1)))  # a row far away
-    assert limits.int32_buffer("y", 2**16, 2**15) is None and limits.int32_buffer("y", 2**16, 2**15 + 1)
-
-
 def test_grid_second_dimension():
     assert limits.column_grid(65535 * 64) is None
     assert "65535" in limits.column_grid(65535 * 64 + 1)
@@ -67,14 +52,14 @@ def test_chain_implementation_checks_its_kernels_and_the_passes():
 
 
 @pytest.fixture
-def tiny_int32(monkeypatch):
-    """Offsets past 96 elements count as past 32 bits: small problems take the oversized path."""
-    monkeypatch.setattr(limits, "INT32_ELEMENTS", 96)
+def no_column_grid(monkeypatch):
+    """A grid's second dimension takes no column blocks: every chain, and every split GEMM, is past it."""
+    monkeypatch.setattr(limits, "MAX_GRID_Y", 0)
     counters["fusepass"].clear()
 
 
 @pytest.mark.parametrize("training", [True, False])
-def test_a_call_past_the_limits_runs_the_unfused_math(tiny_int32, training):
+def test_a_call_past_the_limits_runs_the_unfused_math(no_column_grid, training):
     args = make_args(12, 16, 8, training=training, save_linear_out=True)
     out = op.CHAIN.launch_checked(Implementation("tf32x3", SMALL), args)
     assert counters["fusepass"]["unlaunchable"] == 1
@@ -92,9 +77,9 @@ def test_a_call_within_the_limits_runs_its_kernels(monkeypatch):
     assert launched == [Implementation("tf32x3", SMALL)] and counters["fusepass"]["unlaunchable"] == 0
 
 
-def test_linear_op_past_the_limits_runs_cublas(tiny_int32):
+def test_linear_op_past_the_limits_runs_cublas(no_column_grid):
     x, w = torch.randn(12, 16, device=KERNEL_DEVICE), torch.randn(8, 16, device=KERNEL_DEVICE)
-    out = linear.LINEAR.launch_checked(linear.LinearImplementation("tf32x3", SMALL),
+    out = linear.LINEAR.launch_checked(linear.LinearImplementation("split_x", SMALL),
                                        linear.LinearCall(x, w, None, "tf32x3", "auto"))
     assert counters["fusepass"]["unlaunchable"] == 1 and torch.equal(out, F.linear(x, w))
 
@@ -158,10 +143,40 @@ def test_opaque_op_with_a_tma_choice_takes_a_misaligned_call(monkeypatch):
 
 @requires_cuda
 @pytest.mark.cuda
-def test_compiled_chain_past_the_limits_runs_the_unfused_math(tiny_int32):
+def test_compiled_chain_past_the_limits_runs_the_unfused_math(no_column_grid):
     from tests.chains import ChainModel, Trio, assert_fused, make_input
     torch.manual_seed(4)
     trio = Trio.of(ChainModel(16, 24).cuda())
     trio.step(make_input(10, 16, "cuda"))
     assert_fused(rewrites=1, graphs=1)
     assert counters["fusepass"]["unlaunchable"] >= 1  # counted when the op's body was traced
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_kernels_address_tensors_past_2_31_elements_on_cuda():
+    """A training batch whose (N, F) output has more than 2**31 elements (int32 offsets would wrap): the
+    chain on the Triton GEMM (a program per tile, and persistent) and its passes, and the linear op's dX
+    and dW over that batch, agree with cuBLAS and PyTorch on the last rows and on every feature's
+    statistics."""
+    n, f = 2**31 // 2048 + 3, 2048
+    args = make_args(n, 16, f, dtype=torch.bfloat16, device="cuda", save_linear_out=True)
+    lin, bn, last = args.linear, args.batch_norm, slice(n - 64, n)
+    expected_y = F.linear(lin.x[last], lin.weight, lin.bias).float()
+    var, mean = torch.var_mean(F.linear(lin.x, lin.weight, lin.bias).float() * args.scale_before.factor(), dim=0,
+                               correction=0)
+    configs = gemm.gemm_configs("native", torch.bfloat16)
+    for config in (configs[0], next(c for c in configs if c.persistent)):
+        out = Implementation("native", config)(args)
+        torch.testing.assert_close(out.linear_out[last].float(), expected_y, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(out.mean, mean, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(out.invstd, torch.rsqrt(var + bn.eps), rtol=1e-3, atol=1e-3)
+        u = (out.linear_out[last].float() * args.scale_before.factor() - out.mean) * out.invstd * bn.weight + bn.bias
+        torch.testing.assert_close(out.out[last].float(), u, rtol=1e-2, atol=1e-2)
+    g, x = out.out, lin.x
+    del out, args
+    native = linear.LinearImplementation("native", configs[0])
+    grad_x = native(linear.LinearCall(g, lin.weight.t(), None, "tf32x3", "auto"))
+    torch.testing.assert_close(grad_x[last], g[last] @ lin.weight, rtol=1e-2, atol=1e-2)
+    grad_w = native(linear.LinearCall(g.t(), x.t(), None, "tf32x3", "auto"))
+    torch.testing.assert_close(grad_w.float(), (g.t() @ x).float(), rtol=2e-2, atol=2e-2)
