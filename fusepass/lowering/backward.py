@@ -19,22 +19,29 @@ from fusepass.lowering import linear, pointwise, sync
 from fusepass.lowering.reference import affine
 from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Scale, gradients_in_op_order, unflatten
 
+aten = torch.ops.aten
+
 
 def setup_context(ctx, inputs: tuple, output: tuple) -> None:
     """Saves, per step of the chain: the head's x and W (dW needs x, dX needs W: under autocast the op's
-    cast of W, which the fp32 W is not saved beside); the linear output y,
-    once, with the per-feature mean and invstd: the normalized value, the batch norm's output and the
-    tail's values are rebuilt from them in the backward's own pass, never saved; the scale, gamma, beta
-    and the tail's tensor operands; and with softmax its output, the probabilities, whose rebuild would
-    cost a second exp pass."""
+    cast of W, which the fp32 W is not saved beside); the linear output y, once, with the per-feature
+    mean and invstd: the normalized value, the batch norm's output and the tail's values are rebuilt from
+    them in the backward's own pass, never saved; the scale, gamma, beta and the tail's tensor operands;
+    and the chain's output where the backward reads it: with softmax, the probabilities, whose rebuild
+    would cost a second exp pass; with a tail of one relu, its sign (eager's ReLU saves its output too).
+    That output is usually held anyway, as the next layer's input: rebuilding the relu's mask from y and
+    five per-feature vectors instead makes Inductor store the masked gradient, an (N, F) fp32 buffer, for
+    the several kernels that read it (it stores a value read by more than one kernel once it reads more
+    than `realize_reads_threshold`, 4, buffers)."""
     args = unflatten(inputs)
     outputs = ChainOutputs(*output)
     ctx.mark_non_differentiable(outputs.new_running_mean, outputs.new_running_var, outputs.linear_out,
                                 outputs.mean, outputs.invstd, outputs.compute_weight)
     lin, bn = args.linear, args.batch_norm
     weight = outputs.compute_weight if args.returns_compute_weight else lin.weight
+    out = outputs.out if _reads_output(args) else None
     ctx.save_for_backward(lin.x, weight, args.scale_before.tensor, bn.weight, bn.bias, *args.tail.tensors,
-                          outputs.linear_out, outputs.mean, outputs.invstd, outputs.out if args.softmax else None)
+                          outputs.linear_out, outputs.mean, outputs.invstd, out)
     ctx.training, ctx.eps, ctx.save_linear_out, ctx.softmax = bn.training, bn.eps, args.save_linear_out, args.softmax
     ctx.group_name = bn.group_name if bn.synced else ""
     ctx.scale_before_value, ctx.tail_program = args.scale_before.value, args.tail.program
@@ -42,6 +49,11 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:
     # An fp32 weight under autocast gets an fp32 gradient straight from the dW GEMM's accumulators.
     ctx.weight_grad_dtype = lin.weight.dtype if lin.casts_weight else None
     ctx.kernel = args.kernel
+    ctx.relu_from_output = pointwise.is_single_relu(args.tail.program) and not args.softmax
+
+
+def _reads_output(args: ChainArgs) -> bool:
+    return args.softmax or pointwise.is_single_relu(args.tail.program)
 
 
 def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tuple:
@@ -58,7 +70,9 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
         probs = out.float()
         g = probs * (g - (g * probs).sum(1, keepdim=True))
     grads = {}
-    if ctx.tail_program:  # through the pointwise tail, recomputed from the batch norm's output
+    if ctx.relu_from_output:
+        g = aten.threshold_backward(g, out.to(g.dtype), 0)
+    elif ctx.tail_program:  # through the pointwise tail, recomputed from the batch norm's output
         bn_out = affine(x_hat, BatchNorm(bn_weight, bn_bias, None, None, ctx.training, 0.0, ctx.eps))
         values = pointwise.run(ctx.tail_program, bn_out, tail_tensors)
         g, tensor_grads = pointwise.backward(ctx.tail_program, values, g, tail_tensors, softmax_probs=probs)

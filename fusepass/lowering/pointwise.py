@@ -286,6 +286,13 @@ def program_text(instructions) -> str:
     return ";".join(instruction.text() for instruction in instructions)
 
 
+def is_single_relu(program: str) -> bool:
+    """Whether the tail is one relu of the batch norm's output: its derivative is then eager's
+    threshold_backward on the chain's own output, whose sign is all it reads."""
+    instructions = parse(program)
+    return len(instructions) == 1 and instructions[0].op.name == "relu"
+
+
 def tensor_count(program: str) -> int:
     """How many tensor operands the program reads (it numbers them from 0)."""
     return 1 + max((ins.other.tensor for ins in parse(program) if ins.other and ins.other.tensor is not None),

@@ -1,0 +1,126 @@
+"""What a fused training step holds: the tensors it saves for its backward (CPU: every saved tensor's
+shape and dtype, through autograd's saved-tensor hooks), the buffers its compiled backward allocates
+(CPU: Inductor's generated code), and on a GPU its peak memory against Inductor's and eager's step."""
+
+import re
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn as nn
+from torch._inductor.utils import run_fw_bw_and_get_code
+
+import fusepass  # noqa: F401  (registers the backend)
+from tests.chains import MLP, ChainModel, assert_fused, make_input, requires_cuda
+from tests.test_tail import TailModel
+
+N = 37  # rows: no other dimension of the models below is 37
+
+
+def saved_tensors(model: nn.Module, x: torch.Tensor, autocast: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of every tensor the compiled model's forward saves for its backward."""
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", torch.bfloat16) if autocast else nullcontext():
+            out = model(x)
+    out.float().sum().backward()
+    return saved
+
+
+def batch_sized(saved, dtype=None) -> list[tuple[int, ...]]:
+    """The saved 2-D tensors with a row per input row (of `dtype`, if given) as (rows, columns), sorted: a
+    transposed view (x for the weight gradient) counts as the tensor it views."""
+    return sorted((N, shape[1 - shape.index(N)]) for shape, t in saved
+                  if len(shape) == 2 and N in shape and (dtype is None or t == dtype))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_relu_mlp_saves_each_layer_input_and_linear_output_once(autocast):
+    """Per chain Linear -> BatchNorm1d -> ReLU: its linear output and its output, which is also the next
+    layer's input (one tensor, saved once); the first layer's input; nothing else a batch long."""
+    torch.manual_seed(0)
+    model = torch.compile(MLP(24, [40, 48, 8]), backend="fusepass")
+    saved = saved_tensors(model, make_input(N, 24), autocast)
+    assert_fused(rewrites=2)
+    assert batch_sized(saved) == [(N, 24), (N, 40), (N, 40), (N, 48), (N, 48)]
+    if autocast:  # the input's cast, the layers' linear outputs and outputs, all bf16
+        assert batch_sized(saved, torch.bfloat16) == batch_sized(saved)
+
+
+@pytest.mark.parametrize("model, rows", [
+    (ChainModel(24, 40), [(N, 24), (N, 40)]),  # x, the linear output; not the output
+    (ChainModel(24, 40, softmax="functional"), [(N, 24), (N, 40), (N, 40)]),  # and the probabilities
+    (TailModel("gelu_relu", 24, 40), [(N, 24), (N, 40)]),  # the tail is rebuilt from the linear output
+])
+def test_a_chain_saves_its_input_its_linear_output_and_what_its_backward_reads(model, rows):
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    compiled = torch.compile(model, backend="fusepass")
+    saved = saved_tensors(compiled, make_input(N, 24), autocast=False)
+    assert_fused(rewrites=1)
+    assert batch_sized(saved) == rows
+
+
+def test_a_relu_chain_backward_allocates_no_fp32_batch_buffer_under_autocast():
+    """The relu's mask comes from the saved output: Inductor's backward keeps no (N, F) fp32 gradient
+    (rebuilt from y and the per-feature vectors, it would store it for the kernels that read it)."""
+    torch.manual_seed(2)
+    model = torch.compile(MLP(24, [40, 48, 8]), backend="fusepass")
+    x = make_input(N, 24)
+
+    def step():
+        with torch.autocast("cpu", torch.bfloat16):
+            return model(x).float().sum()
+
+    _, (forward_code, backward_code) = run_fw_bw_and_get_code(step)
+    batch_buffers = re.findall(rf"empty_strided_cpu\(\({N}, (\d+)\), \(\d+, 1\), torch\.(\w+)\)", backward_code)
+    assert batch_buffers and ("40", "float32") not in batch_buffers and ("48", "float32") not in batch_buffers
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+
+def step_peak(model: nn.Module, x: torch.Tensor, autocast: bool) -> int:
+    """Bytes a training step (forward, backward of the sum, an SGD step) allocates above what is held
+    before it, after two warm-up steps (compiles and tuning)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16) if autocast else nullcontext():
+            out = model(x)
+        out.float().sum().backward()
+        optimizer.step()
+
+    step(), step()
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_fused_mlp_step_peaks_below_inductors_and_eagers_on_cuda(autocast):
+    torch.manual_seed(3)
+    base = MLP(512, [2048, 2048, 256]).cuda()
+    x = torch.randn(32768, 512, device="cuda")
+    peaks = {}
+    for name, backend in (("eager", None), ("inductor", "inductor"), ("fusepass", "fusepass")):
+        torch._dynamo.reset()
+        model = MLP(512, [2048, 2048, 256]).cuda()
+        model.load_state_dict(base.state_dict())
+        peaks[name] = step_peak(torch.compile(model, backend=backend) if backend else model, x, autocast)
+        del model
+        torch.cuda.empty_cache()
+    assert peaks["fusepass"] < peaks["inductor"] and peaks["fusepass"] < peaks["eager"], peaks
