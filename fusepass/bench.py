@@ -30,7 +30,7 @@ from fusepass.warmup import warmup
 def format_table(results: list[Result], problem: str, backward: bool) -> str:
     headers = ["mode", "precision", "provider", "verdict", "max abs err", "rel err", "allclose"]
     headers += ["grad rel err", "grad allclose"] if backward else []
-    headers += ["stats = eager", "median ms", "p20-p80 ms", "compile s", "peak MB", "vs eager", "vs inductor"]
+    headers += ["stats = eager", "median ms", "p20-p80 ms", "compile s", "peak MB", "own MB", "vs eager", "vs inductor"]
     rows = []
     for r in (r for r in results if r.problem == problem):
         verdict = (f"ok ({r.note})" if r.note else "ok") if r.correct else f"WRONG: {r.failure}"
@@ -41,10 +41,14 @@ def format_table(results: list[Result], problem: str, backward: bool) -> str:
         row += [_yes_no(r.stats_match_eager),
                 f"{r.median_ms:.3f}" if r.correct else "-",
                 f"{r.p20_ms:.3f}-{r.p80_ms:.3f}" if r.correct else "-",
-                f"{r.compile_s:.1f}", f"{r.peak_mb:.0f}" if not math.isnan(r.peak_mb) else "-",
+                f"{r.compile_s:.1f}", _mb(r.peak_mb), _mb(r.own_peak_mb),
                 _fmt_ratio(r.speedup_vs_eager), _fmt_ratio(r.speedup_vs_inductor)]
         rows.append(row)
     return tabulate(rows, headers=headers, disable_numparse=True, maxcolwidths=[None, None, None, 36])
+
+
+def _mb(value: float) -> str:
+    return f"{value:.0f}" if not math.isnan(value) else "-"
 
 
 def _yes_no(value: Optional[bool]) -> str:

@@ -71,7 +71,8 @@ class Result:
     median_ms: float = math.nan
     p20_ms: float = math.nan
     p80_ms: float = math.nan
-    peak_mb: float = math.nan
+    peak_mb: float = math.nan  # everything the bench process holds at the call's peak
+    own_peak_mb: float = math.nan  # the call's own: its peak above what was allocated just before it
     speedup_vs_eager: Optional[float] = None
     speedup_vs_inductor: Optional[float] = None
     # what fusepass's backend did while this provider compiled and ran (0 for providers without it)
@@ -255,7 +256,7 @@ class Run:
             try:
                 with counting_fusepass(result):
                     times = measure(fn, self.cfg, list(self.models[provider].parameters()))
-                    peak_mb = peak_memory_mb(fn, self.cfg.device, self._every_parameter())
+                    peak_mb, own_peak_mb = peak_memory_mb(fn, self.cfg.device, self._every_parameter())
             except Exception as exc:  # a provider that crashes while timed is wrong, not a reason to stop
                 result.failure = f"while timing: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 result.correct = False
@@ -266,7 +267,7 @@ class Run:
                 continue
             result.median_ms = statistics.median(times)
             result.p20_ms, result.p80_ms = _quantile(times, 0.2), _quantile(times, 0.8)
-            result.peak_mb = peak_mb
+            result.peak_mb, result.own_peak_mb = peak_mb, own_peak_mb
         eager, inductor = self.results.get("eager"), self.results.get("inductor")
         for result in self.results.values():
             if result.correct:
@@ -298,21 +299,25 @@ def measure(fn: Callable, cfg: Config, params: list) -> list[float]:
     return times
 
 
-def peak_memory_mb(fn: Callable, device: str, params: list) -> float:
-    """torch.cuda.max_memory_allocated over one call of fn, every model's gradients dropped before it
-    (`params`: every provider's parameters). The same baseline for every provider: the gradients an
+def peak_memory_mb(fn: Callable, device: str, params: list) -> tuple[float, float]:
+    """(peak, the call's own peak) in MB: torch.cuda.max_memory_allocated over one call of fn, and that
+    peak above what was allocated just before the call (the step's activations, its gradients and its
+    transients, not the models the process holds), every model's gradients dropped before it (`params`:
+    every provider's parameters). The same baseline for every provider: the gradients an
     earlier provider's timing left behind counted against the later ones (fp32 training step at
     1024 x 8192 -> 8192 on an H200: Inductor 225 MB over eager and fusepass 320 MB over Inductor, where
     measured each in a process of its own on an H100 fusepass and Inductor peaked at 672 and 673 MB)."""
     if device != "cuda":
-        return math.nan
+        return math.nan, math.nan
     for param in params:
         param.grad = None
     torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**20
+    peak = torch.cuda.max_memory_allocated()
+    return peak / 2**20, (peak - before) / 2**20
 
 
 def _ratio(base: Optional[Result], result: Result) -> Optional[float]:

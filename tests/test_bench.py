@@ -46,7 +46,7 @@ def test_cli_reports_verdicts_and_writes_json(tmp_path, capsys):
         assert r["correct"] is True and r["failure"] is None
         assert 0 < r["median_ms"] and r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
         assert r["rel_error"] < 1e-5 and r["stats_match_eager"] is True and r["allclose"] is True
-        assert r["peak_mb"] is None  # not measured on CPU: null, not NaN
+        assert r["peak_mb"] is None and r["own_peak_mb"] is None  # not measured on CPU: null, not NaN
         expected_size = [512, 128, 128] if r["problem"].startswith("gemm_scale_batchnorm") else [32, 256, 256]
         assert r["problem"] == providers.sized_name(r["problem"].split("@")[0], expected_size)
         assert r["size"] == expected_size

@@ -171,15 +171,17 @@ def test_small_shapes_and_unknown_gpu(tmp_path):
 
 def test_compile_and_memory_tables(tmp_path):
     warm = payload(four_providers(), report={"section": "compile-warm", "caches": "warm", "caches_note": "second"})
-    rows = four_providers()
-    rows[3]["peak_mb"] = 1032.0
+    rows = four_providers(own_peak_mb=500.0)
+    rows[3]["own_peak_mb"] = 400.0
     text = write_report(tmp_path, {"forward": payload(rows, report={"caches": "cold", "caches_note": "first"}),
                                    "warm": warm})
     assert "- **cold**: first" in text and "- **warm**: second" in text
     compile_rows = [line for line in section_text(text, "Compile time").splitlines() if "1024×8192→8192" in line]
     assert len(compile_rows) == 2  # cold, from the forward run; warm, from the compile-only run
     memory = table_line(text, "Peak memory", "forward", "gemm_scale_batchnorm 1024×8192→8192")
-    assert memory[-2:] == ["+32", "+32"]
+    assert memory[-2:] == ["0.80×", "0.80×"]
+    # the compile-only run recorded no own peak: its rows are not in the table
+    assert len([line for line in section_text(text, "Peak memory").splitlines() if "1024×8192→8192" in line]) == 1
     assert "compile-warm" not in section_text(text, "Forward, fp32")
 
 
