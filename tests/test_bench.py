@@ -366,18 +366,20 @@ def test_tune_only_needs_batch_sizes(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_peak_memory_drops_every_models_gradients_first():
     """An earlier provider's gradients do not count against the provider measured: its 4 MB gradient is
-    dropped before the call."""
+    dropped before the call. The call's own peak leaves out what was held before it, the models'
+    parameters, and keeps what the call makes, its gradients."""
     earlier, measured = (torch.nn.Linear(1024, 1024, device="cuda") for _ in range(2))
     x = torch.randn(64, 1024, device="cuda")
 
     def step():
         measured(x).sum().backward()
     earlier(x).sum().backward()
-    kept = measure.peak_memory_mb(step, "cuda", list(measured.parameters()))
+    kept, _ = measure.peak_memory_mb(step, "cuda", list(measured.parameters()))
     earlier(x).sum().backward()
-    dropped = measure.peak_memory_mb(step, "cuda", [*earlier.parameters(), *measured.parameters()])
+    dropped, own = measure.peak_memory_mb(step, "cuda", [*earlier.parameters(), *measured.parameters()])
     assert earlier.weight.grad is None
     assert kept - dropped >= 4.0
+    assert 4.0 <= own < dropped - 8.0  # its 4 MB weight gradient, not the two models' 8 MB of weights
 
 
 @pytest.mark.parametrize("threshold", [0, 1, 37, 1000])

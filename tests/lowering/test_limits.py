@@ -179,4 +179,5 @@ def test_kernels_address_tensors_past_2_31_elements_on_cuda():
     grad_x = native(linear.LinearCall(g, lin.weight.t(), None, "tf32x3", "auto"))
     torch.testing.assert_close(grad_x[last], g[last] @ lin.weight, rtol=1e-2, atol=1e-2)
     grad_w = native(linear.LinearCall(g.t(), x.t(), None, "tf32x3", "auto"))
-    torch.testing.assert_close(grad_w.float(), (g.t() @ x).float(), rtol=2e-2, atol=2e-2)
+    expected_w = (g.t() @ x).float()  # sums of a million products, rounded to bf16: a few ulps of its largest
+    torch.testing.assert_close(grad_w.float(), expected_w, rtol=0, atol=0.02 * expected_w.abs().max().item())
