@@ -101,7 +101,7 @@ def test_training_step_floor_counts_three_gemms(tmp_path):
     cells = table_line(text, "Training step", "gemm_scale_batchnorm 1024×8192→8192", "fp32")
     assert cells[2:7] == ["8.458", "6.344", "4.229", "2.00×", "1.50×"]
     assert cells[7:11] == ["-"] * 4  # no CUDA-graph providers measured
-    assert cells[11:] == ["2.499", "59%"]  # 3 * 0.8330 ms over 4.229 ms
+    assert cells[11:] == ["2.499", "59%", "H200"]  # 3 * 0.8330 ms over 4.229 ms
     assert "Not measured" in section_text(text, "Forward, fp32")  # a training step is not a forward
 
 
@@ -179,7 +179,7 @@ def test_compile_and_memory_tables(tmp_path):
     compile_rows = [line for line in section_text(text, "Compile time").splitlines() if "1024×8192→8192" in line]
     assert len(compile_rows) == 2  # cold, from the forward run; warm, from the compile-only run
     memory = table_line(text, "Peak memory", "forward", "gemm_scale_batchnorm 1024×8192→8192")
-    assert memory[-2:] == ["0.80×", "0.80×"]
+    assert memory[-3:] == ["0.80×", "0.80×", "H200"]
     # the compile-only run recorded no own peak: its rows are not in the table
     assert len([line for line in section_text(text, "Peak memory").splitlines() if "1024×8192→8192" in line]) == 1
     assert "compile-warm" not in section_text(text, "Forward, fp32")

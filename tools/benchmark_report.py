@@ -510,8 +510,16 @@ def training_table(rows: list[Row]) -> Optional[str]:
     """Training steps in both of Inductor's modes: default, and reduce-overhead (CUDA graphs)."""
     cases = by_case(r for r in rows if r.measure == "training-step")
     lines = [[problem_cell(case[0], case[1]), case[3], *graph_mode_cells(providers),
-              *floor_cells(providers, training_step=True)] for case, providers in cases.items()]
-    return markdown(lines, ["problem", "precision", *GRAPH_MODE_HEADERS, "floor ms", "of floor"]) if lines else None
+              *floor_cells(providers, training_step=True), gpu_cell(providers)] for case, providers in cases.items()]
+    headers = ["problem", "precision", *GRAPH_MODE_HEADERS, "floor ms", "of floor", "GPU"]
+    return markdown(lines, headers) if lines else None
+
+
+def gpu_cell(providers: dict[str, Row]) -> str:
+    """The GPU a case ran on ("H100", "H200"): a table's rows may come from runs on different GPUs, and
+    only the ratios within a row compare like with like."""
+    device = next(iter(providers.values())).source.env["device"]
+    return device.removeprefix("NVIDIA ").split()[0]
 
 
 GRAPH_MODE_HEADERS = ["eager ms", "Inductor ms", "fusepass ms", "vs eager", "vs Inductor", "Inductor + graphs ms",
@@ -583,9 +591,9 @@ def memory_table(rows: list[Row]) -> Optional[str]:
             lines.append([measure, problem_cell(problem, size), mode, precision,
                           *(ms_cell(providers.get(p), "own_peak_mb", 0) for p in PROVIDERS),
                           share_cell(fused, providers.get("eager"), "own_peak_mb"),
-                          share_cell(fused, providers.get("inductor"), "own_peak_mb")])
+                          share_cell(fused, providers.get("inductor"), "own_peak_mb"), gpu_cell(providers)])
     headers = ["measure", "problem", "mode", "precision", "eager MB", "Inductor MB", "max-autotune MB", "fusepass MB",
-               "fusepass ÷ eager", "fusepass ÷ Inductor"]
+               "fusepass ÷ eager", "fusepass ÷ Inductor", "GPU"]
     return markdown(lines, headers) if lines else None
 
 
