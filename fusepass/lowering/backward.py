@@ -30,7 +30,7 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:
     and the chain's output where the backward reads it: with softmax, the probabilities, whose rebuild
     would cost a second exp pass; with a tail of one relu, its sign (eager's ReLU saves its output too).
     That output is usually held anyway, as the next layer's input: rebuilding the relu's mask from y and
-    five per-feature vectors instead makes Inductor store the masked gradient, an (N, F) fp32 buffer, for
+    the per-feature vectors instead makes Inductor store the masked gradient, an (N, F) fp32 buffer, for
     the several kernels that read it (it stores a value read by more than one kernel once it reads more
     than `realize_reads_threshold`, 4, buffers)."""
     args = unflatten(inputs)
@@ -39,7 +39,8 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:
                                 outputs.mean, outputs.invstd, outputs.compute_weight)
     lin, bn = args.linear, args.batch_norm
     weight = outputs.compute_weight if args.returns_compute_weight else lin.weight
-    out = outputs.out if _reads_output(args) else None
+    relu_from_output = pointwise.is_single_relu(args.tail.program) and not args.softmax
+    out = outputs.out if args.softmax or relu_from_output else None
     ctx.save_for_backward(lin.x, weight, args.scale_before.tensor, bn.weight, bn.bias, *args.tail.tensors,
                           outputs.linear_out, outputs.mean, outputs.invstd, out)
     ctx.training, ctx.eps, ctx.save_linear_out, ctx.softmax = bn.training, bn.eps, args.save_linear_out, args.softmax
@@ -49,11 +50,7 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:
     # An fp32 weight under autocast gets an fp32 gradient straight from the dW GEMM's accumulators.
     ctx.weight_grad_dtype = lin.weight.dtype if lin.casts_weight else None
     ctx.kernel = args.kernel
-    ctx.relu_from_output = pointwise.is_single_relu(args.tail.program) and not args.softmax
-
-
-def _reads_output(args: ChainArgs) -> bool:
-    return args.softmax or pointwise.is_single_relu(args.tail.program)
+    ctx.relu_from_output = relu_from_output
 
 
 def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tuple:

@@ -133,7 +133,7 @@ def sm_count(device: torch.device) -> int:
 
 def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) -> Optional[str]:
     """Why run_gemm cannot run x @ weight^T in this precision and config (limits.py), or None."""
-    split = precision in ("split_x", "split_w")
+    split = precision in PRE_SPLIT
     return limits.first(
         limits.column_grid(x.shape[1]) if split else None,
         limits.tma_descriptors(x, weight) if config.tma else None,
