@@ -40,6 +40,9 @@ FUSEPASS_KEYS = {
                     "first compile",
     "gemm": "the fused ops' GEMM: 'auto' (default; time Triton and cuBLAS per shape, cached on disk), "
             "'triton' or 'cublas'",
+    "operand_copies": "whether an fp32 GEMM may copy an operand to read it faster (split into tf32 halves, or made "
+                      "K-major; the backward's operands grow with the batch): True (default) or False (the "
+                      "training step holds less, its backward GEMMs run slower)",
 }
 
 
@@ -69,7 +72,7 @@ class Options:
         _launch_fused_kernels_statically(patches)
         _key_caches_on_fusepass_source(patches)
         debug_dir = own.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
-        kernel = KernelOptions(**{key: own[key] for key in ("fp32_matmul", "gemm") if key in own})
+        kernel = KernelOptions(**{key: own[key] for key in ("fp32_matmul", "gemm", "operand_copies") if key in own})
         kernel.validate()
         defaults = {"bare_linear": True, "time_unfused": os.environ.get(TIME_UNFUSED_ENV) == "1"}
         flags = {key: own.get(key, default) for key, default in defaults.items()}

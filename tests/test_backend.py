@@ -730,6 +730,8 @@ def test_kernel_options_are_validated():
         torch.compile(ChainModel(), backend="fusepass", options={"fp32_matmul": "fp16"})(make_input(6, 32))
     with pytest.raises(Exception, match="gemm"):
         torch.compile(ChainModel(), backend="fusepass", options={"gemm": "cutlass"})(make_input(6, 32))
+    with pytest.raises(Exception, match="operand_copies"):
+        torch.compile(ChainModel(), backend="fusepass", options={"operand_copies": "no"})(make_input(6, 32))
 
 
 OPAQUE_CALL = "= torch.ops.fusepass.batch_norm_chain_opaque.default("

@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
+from torch._inductor.utils import run_fw_bw_and_get_code
 
 import fusepass
 from fusepass.lowering import linear
@@ -135,3 +136,20 @@ def test_mlp_training_on_cuda_with_tuning(mode, monkeypatch):
     monkeypatch.setenv("FUSEPASS_TUNE", "1")
     _mlp_steps("cuda", steps=4, batch=96, mode=mode)
     assert_fused(rewrites=2 * 2, graphs=2, linears=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forbidden_operand_copies_reach_every_linear_op_and_keep_the_results(device):
+    """operand_copies=False: the training steps still meet the float64 criterion (on CUDA without any GEMM
+    that copies an operand), and the linear ops (forward, dX, dW) carry it (seen on CPU, where the compiled
+    code calls them; on CUDA their traced kernels are inlined)."""
+    _mlp_steps(device, steps=2, options={"operand_copies": False})
+    assert_fused(rewrites=2 * 2, graphs=2, linears=2)
+    if device != "cpu":
+        return
+    torch._dynamo.reset()
+    model = torch.compile(MLP(40, [72, 56, 24]).to(device), backend="fusepass", options={"operand_copies": False})
+    x = make_input(48, 40, device)
+    _, codes = run_fw_bw_and_get_code(lambda: model(x).sum())
+    calls = re.findall(r"torch\.ops\.fusepass\.linear\w*\.default\(([^\n]*)\)", "\n".join(codes))
+    assert calls and all("False" in call for call in calls), calls

@@ -103,7 +103,8 @@ def _gemm_choice(args: ChainArgs) -> str:
 def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[str, Implementation]:
     """Every way to run the op for this problem that the tuner's search times (tuning.search: the short
     search takes each precision's gemm.shortlist), by name, the default first; only those that can launch
-    for this call (Implementation.unlaunchable). Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever the
+    for this call (Implementation.unlaunchable). 3xTF32 also with the smaller operand split in memory,
+    unless the options forbid operand copies. Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever the
     gemm option says. TMA tile configs are offered where the call is not traced. `traced`: only those
     that can run inside Inductor's graph (may be none; see cublas_traceable)."""
     x = args.linear.x
@@ -113,7 +114,7 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
     found = {}
     if choice in ("auto", "triton") and precision != "ieee":
         precisions = [precision]
-        if precision == "tf32x3":
+        if precision == "tf32x3" and args.kernel.operand_copies:
             precisions.append(pre_split_precision(rows * in_features, out_features * in_features))
         # Traced, no TMA configs: torch does not capture TMA descriptors when it traces a wrap_triton
         # launch outside Dynamo ("not yet supported", torch 2.13's triton_kernel_wrap.py), and the

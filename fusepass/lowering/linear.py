@@ -1,4 +1,5 @@
-"""`torch.ops.fusepass.linear(x, weight, bias, kernel_fp32_matmul, kernel_gemm, out_dtype=None)`:
+"""`torch.ops.fusepass.linear(x, weight, bias, kernel_fp32_matmul, kernel_gemm, out_dtype=None,
+kernel_operand_copies=True)`:
 x @ weight^T + bias for 2-D operands of any strides, in x's dtype or, for bf16/fp16 operands, in fp32
 straight from the GEMM's fp32 accumulators (out_dtype; a chain's weight gradient under autocast), on
 fusepass's Triton GEMM (gemm.py, no epilogue) or on cuBLAS, whichever is fastest for the problem at the
@@ -42,14 +43,15 @@ class LinearCall(NamedTuple):
     kernel_fp32_matmul: str
     kernel_gemm: str
     out_dtype: Optional[torch.dtype] = None
+    kernel_operand_copies: bool = True
 
     @property
     def kernel(self) -> KernelOptions:
-        return KernelOptions(self.kernel_fp32_matmul, self.kernel_gemm)
+        return KernelOptions(self.kernel_fp32_matmul, self.kernel_gemm, self.kernel_operand_copies)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_fp32_matmul: str, kernel_gemm: str,
-           out_dtype: Optional[torch.dtype] = None) -> Tensor:
+           out_dtype: Optional[torch.dtype] = None, kernel_operand_copies: bool = True) -> Tensor:
     """The op's signature."""
 
 
@@ -207,7 +209,7 @@ def problem(call: LinearCall, traced: bool) -> Problem:
     family = (f"{OP_NAME} {others} layout={_layout(call)} dtype={str(x.dtype).removeprefix('torch.')} "
               f"out={str(_out_dtype(call)).removeprefix('torch.')} "
               f"bias={call.bias is not None} precision={_precision(call)} gemm={gemm_choice}"
-              + (" traced" if traced else ""))
+              + ("" if call.kernel_operand_copies else " copies=False") + (" traced" if traced else ""))
     return Problem(family, (bucket(batch),))
 
 
@@ -240,7 +242,8 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
     Operands whose K is not contiguous (a backward's transposed views) start with the pre-split 3xTF32,
     which reads the split operand K-major from memory: 88-102 TFLOP/s on an H100 where 3xTF32 split in
     registers made 39 (tools/tune_linear.py at 1024 x 8192 -> 8192 and 16384 x 4096 -> 4096). The full
-    search also times that, and the GEMM on K-major copies of the operands."""
+    search also times that, and the GEMM on K-major copies of the operands. With operand copies
+    forbidden (kernel_operand_copies=False), neither: 3xTF32 split in registers, and cuBLAS."""
     x, weight = call.x, call.weight
     m, k, n = _gemm_sizes(call, problem)
     precision = _precision(call)
@@ -249,13 +252,14 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
     found: list[LinearImplementation] = []
     if gemm_choice in ("auto", "triton") and precision != "ieee":
         k_major = _k_major(x) and _k_major(weight)
+        copies = call.kernel_operand_copies
         precisions = [precision]
-        if precision == "tf32x3":
+        if precision == "tf32x3" and copies:
             pre_split = pre_split_precision(m * k, n * k)
             precisions = [precision, pre_split] if k_major else [pre_split] + ([precision] if search == "full" else [])
         found += [LinearImplementation(p, config) for p, config in
                   triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
-        if not k_major and search == "full":
+        if not k_major and search == "full" and copies:
             found.append(LinearImplementation(precision, gemm.gemm_configs(precision, x.dtype)[0], True))
         found = [impl for impl in found if impl.unlaunchable(call) is None]
     if gemm_choice in ("auto", "cublas") or not found:
@@ -308,16 +312,17 @@ LINEAR = TunedOp(Declaration(
 
 def call(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: KernelOptions,
          out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    return torch.ops.fusepass.linear(x, weight, bias, kernel.fp32_matmul, kernel.gemm, out_dtype)
+    return torch.ops.fusepass.linear(x, weight, bias, kernel.fp32_matmul, kernel.gemm, out_dtype,
+                                     kernel.operand_copies)
 
 
 # --------------------------------------------------------------------------- autograd
 
 
 def _setup_context(ctx, inputs: tuple, output: Tensor) -> None:
-    x, weight, bias, fp32_matmul, gemm_choice, _out = inputs
+    x, weight, bias, fp32_matmul, gemm_choice, _out, operand_copies = inputs
     ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
-    ctx.kernel = KernelOptions(fp32_matmul, gemm_choice)
+    ctx.kernel = KernelOptions(fp32_matmul, gemm_choice, operand_copies)
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.compute_dtype = x.dtype
 
@@ -329,7 +334,7 @@ def _backward(ctx, grad: Tensor) -> tuple:
     grad = grad.to(ctx.compute_dtype)  # a widened output's gradient, in the operands' dtype
     grad_x = call(grad, weight.t(), None, ctx.kernel) if need_x else None
     grad_weight = call(grad.t(), x.t(), None, ctx.kernel) if need_weight else None
-    return grad_x, grad_weight, grad_bias, None, None, None
+    return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
 LINEAR.traced.register_autograd(_backward, setup_context=_setup_context)

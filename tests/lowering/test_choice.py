@@ -44,6 +44,10 @@ def test_candidates_per_choice():
     names = candidates(with_operands(args, x, wide, "triton"))
     assert {name.split()[1] for name in names} == {"tf32x3", "split_x"}
     assert list(candidates(with_operands(args, x, x, "cublas"))) == ["cublas"]
+    copies = with_operands(args, x, wide, "triton")
+    no_copies = dataclasses.replace(copies, kernel=KernelOptions(gemm="triton", operand_copies=False))
+    assert {name.split()[1] for name in candidates(no_copies)} == {"tf32x3"}  # nothing split in memory
+    assert choice.problem(no_copies, False).family != choice.problem(copies, False).family
     assert list(candidates(with_operands(args, x, x, "triton", fp32_matmul="ieee"))) == ["cublas"]
     assert any(name.endswith(" tma") for name in auto)  # 16 fp32 per row: 16-byte aligned rows
     unaligned = make_args(8, 17, 4).linear.x[:, 1:]

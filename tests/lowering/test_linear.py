@@ -120,8 +120,8 @@ def test_the_seed_problems_weight_gradients_split_within_the_limit(batch, featur
     assert (linear._copy_past_limit(call, "split_w", config) is None) == within
 
 
-def _candidates(a, b, traced, fp32_matmul="tf32x3", gemm_option="auto"):
-    call = linear.LinearCall(a, b, None, fp32_matmul, gemm_option)
+def _candidates(a, b, traced, fp32_matmul="tf32x3", gemm_option="auto", operand_copies=True):
+    call = linear.LinearCall(a, b, None, fp32_matmul, gemm_option, None, operand_copies)
     return linear.candidates(call, linear.problem(call, traced), traced)
 
 
@@ -144,6 +144,18 @@ def test_candidates(traced, search, monkeypatch):
     assert list(_candidates(a, b, traced, fp32_matmul="ieee")) == ["cublas"]
     assert list(_candidates(a, b, traced, gemm_option="cublas")) == ["cublas"]
     assert "cublas" not in _candidates(a, b, traced, gemm_option="triton")
+    # no operand copies: 3xTF32 split in registers and cuBLAS only, for transposed operands and the forward's
+    for operands in ((a, b), _operands("forward", 64, 64, 64, seed=0)):
+        no_copies = list(_candidates(*operands, traced, operand_copies=False))
+        assert no_copies and all(n == "cublas" or n.startswith("triton tf32x3 ") for n in no_copies)
+        assert not any(n.endswith("on K-major copies") for n in no_copies)
+
+
+def test_forbidding_operand_copies_is_a_problem_of_its_own():
+    """Choices made with copies allowed never serve a call that forbids them (the tuning cache's key)."""
+    a, b = _operands("grad_weight", 64, 64, 64, seed=0)
+    allowed, forbidden = (linear.LinearCall(a, b, None, "tf32x3", "auto", None, copies) for copies in (True, False))
+    assert linear.problem(allowed, False).family != linear.problem(forbidden, False).family
 
 
 def test_short_search_times_fewer_configs_and_small_tiles_only_where_sms_idle():
