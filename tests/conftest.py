@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 
 from torch._dynamo.utils import counters  # noqa: E402
 
-from fusepass.lowering import linear, op, tuning  # noqa: E402
+from fusepass.lowering import forget_choices, tuning  # noqa: E402
 
 
 def pytest_configure(config):
@@ -40,8 +40,7 @@ def untuned(tmp_path, monkeypatch):
     buckets."""
     monkeypatch.setenv(tuning.TUNE_ENV, os.environ.get(tuning.TUNE_ENV, "0"))
     monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(tmp_path / "fusepass-cache"))
-    for remembers in (tuning.TUNER, op.CHAIN, linear.LINEAR):
-        remembers.forget()
+    forget_choices()
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fusepass
-from fusepass.lowering import gemm, normalize, tf32_split, tuning
+from fusepass.lowering import forget_choices, gemm, normalize, tf32_split, tuning
 from tests.chains import DEVICES, ChainModel, Trio, assert_fused, make_input, requires_cuda
 
 # 300 rows span three of the GEMM's row tiles (128) and ten statistics strips (32): a symbolic count of
@@ -164,8 +164,7 @@ def test_warmup_fills_the_cache_for_every_bucket(tuned):
     sizes = [8, 40, 100]
     done = fusepass.warmup(model, [make_input(16, 32, "cuda")], batch_sizes=sizes)
     assert done["tunings"] > 0
-    for remembers in (tuning.TUNER, fusepass.lowering.op.CHAIN, fusepass.lowering.linear.LINEAR):
-        remembers.forget()  # as a new process would start
+    forget_choices()
     counters["fusepass"].clear()
     compiled = torch.compile(model, backend="fusepass")
     for batch in sizes:

@@ -36,7 +36,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fusepass.bench import add_problem_arguments  # noqa: E402
-from fusepass.lowering import linear, op, tuning  # noqa: E402
+from fusepass.lowering import forget_choices, tuning  # noqa: E402
 from fusepass.measure import environment  # noqa: E402
 from fusepass.providers import model_and_inputs, provider_call  # noqa: E402
 from fusepass.warmup import with_batch  # noqa: E402
@@ -47,8 +47,7 @@ from tools.profile_host import kernel_table, per_call_us  # noqa: E402
 def fresh_choices():
     """No choice remembered: this process's tables dropped, an empty tuning cache directory."""
     torch._dynamo.reset()
-    for remembers in (tuning.TUNER, op.CHAIN, linear.LINEAR):
-        remembers.forget()
+    forget_choices()
     with tempfile.TemporaryDirectory(prefix="fusepass-bucket-") as root, \
             mock.patch.dict(os.environ, {tuning.CACHE_DIR_ENV: root}):
         yield
