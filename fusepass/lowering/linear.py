@@ -320,9 +320,10 @@ def call(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: KernelOption
 
 
 def _setup_context(ctx, inputs: tuple, output: Tensor) -> None:
-    x, weight, bias, fp32_matmul, gemm_choice, _out, operand_copies = inputs
+    args = LinearCall(*inputs)
+    x, weight, bias = args.x, args.weight, args.bias
     ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
-    ctx.kernel = KernelOptions(fp32_matmul, gemm_choice, operand_copies)
+    ctx.kernel = args.kernel
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.compute_dtype = x.dtype
 
@@ -334,7 +335,7 @@ def _backward(ctx, grad: Tensor) -> tuple:
     grad = grad.to(ctx.compute_dtype)  # a widened output's gradient, in the operands' dtype
     grad_x = call(grad, weight.t(), None, ctx.kernel) if need_x else None
     grad_weight = call(grad.t(), x.t(), None, ctx.kernel) if need_weight else None
-    return grad_x, grad_weight, grad_bias, None, None, None, None
+    return grad_x, grad_weight, grad_bias, *(None,) * (len(LinearCall._fields) - 3)
 
 
 LINEAR.traced.register_autograd(_backward, setup_context=_setup_context)
