@@ -90,7 +90,7 @@ def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
     """Candidate tile shapes, from one place, best first (measured on an H200 with tools/tune_gemm.py;
     the first is the default when tuning is off). Three-pass fp32 keeps a second accumulator and the
     split halves in registers, so it gets 128 x 128 tiles; small 64-row tiles are for small problems.
-    The first config is also offered with TMA loads (used only where limits.tma_descriptors allows).
+    The first config is also offered with TMA loads (used only where limits.tma_layout allows).
     3xTF32 split in registers has no small-tile config: with its 64 x 64 x 64 tiles on 4 warps, which
     the tuner chose for MoCo v3's 4096 -> 1024 layers, ten training steps ended a gradient 1.57x further
     from float64 than eager's (H100, triton 3.6, three runs of three), and within it without them. The
@@ -136,7 +136,7 @@ def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) 
     split = precision in PRE_SPLIT
     return limits.first(
         limits.column_grid(x.shape[1]) if split else None,
-        limits.tma_descriptors(x, weight) if config.tma else None,
+        limits.tma_layout(x, weight) if config.tma else None,
         _persistent_unlaunchable(x, weight) if config.persistent else None,
     )
 
@@ -399,7 +399,7 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
     if config.tma:
         lo_rows, lo_block = (m, config.block_m) if precision == "split_x" else (n, config.block_n)
         lo = weight if lo is None else lo  # a descriptor needs an operand-shaped tensor; unread
-        why = limits.tma_descriptors(x, weight, lo)
+        why = limits.tma_layout(x, weight, lo)
         if why:
             raise ValueError(f"run_gemm: {why}")
         operands = (_descriptor(x, m, k, config.block_m, config.block_k),

@@ -51,21 +51,10 @@ def column_grid(n_cols: int) -> Optional[str]:
     return None
 
 
-def tma_descriptors(*tensors: Tensor) -> Optional[str]:
-    if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
-        return "TMA needs Hopper or newer"
-    for t in tensors:
-        if t.dim() != 2 or t.stride(1) != 1:
-            return f"a TMA operand of strides {t.stride()} has no contiguous last dimension"
-        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            return "a TMA operand's base or row stride is not 16-byte aligned"
-    return None
-
-
 def tma_layout(*tensors: Tensor) -> Optional[str]:
-    """What descriptors made inside a kernel need, from shapes and strides (traced, a tensor's address is
-    not known yet; Inductor's buffers and the graph inputs it has checked start 16-byte aligned): Hopper,
-    a contiguous last dimension, a 16-byte aligned row stride and start offset; and untraced, the address."""
+    """What TMA descriptors need of their tensors, made on the host or inside a kernel: Hopper, a contiguous
+    last dimension, a 16-byte aligned row stride and start offset, and the address where it is known
+    (traced, it is not yet; Inductor's buffers and the graph inputs it has checked start 16-byte aligned)."""
     if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
         return "TMA needs Hopper or newer"
     for t in tensors:

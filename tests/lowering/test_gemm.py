@@ -43,7 +43,7 @@ def test_fp32_accurate_gemm_no_further_from_float64_than_cublas(m, k, n, precisi
         if tma:
             pytest.skip("TMA descriptors need contiguous rows; the tuner offers TMA configs only where they fit")
         x, w = x.t().contiguous().t(), w.t().contiguous().t()
-    if tma and limits.tma_descriptors(x, w):
+    if tma and limits.tma_layout(x, w):
         assert k * 4 % 16 != 0 or x.is_cuda  # rows of 7 floats are not 16-byte aligned: no descriptors
         with pytest.raises(ValueError, match="TMA"):
             gemm.run_gemm(Linear(x, w, b), precision, SMALL.with_tma())

@@ -25,9 +25,9 @@ def test_grid_second_dimension():
 
 def test_tma_needs_aligned_rows_and_base():
     x = torch.randn(8, 17)
-    assert limits.tma_descriptors(torch.randn(8, 16)) is None
-    assert "16-byte" in limits.tma_descriptors(x[:, 1:])  # base 4 bytes in, rows of 17 floats
-    assert "contiguous last dimension" in limits.tma_descriptors(torch.randn(16, 8).t())
+    assert limits.tma_layout(torch.randn(8, 16)) is None
+    assert "16-byte" in limits.tma_layout(x[:, 1:])  # base 4 bytes in, rows of 17 floats
+    assert "contiguous last dimension" in limits.tma_layout(torch.randn(16, 8).t())
 
 
 def test_devices_and_rows():
