@@ -57,7 +57,7 @@ def _gemm_meta(precision: str, epilogue, tail, persistent: bool = False, eval_st
         precision=gemm.PRECISIONS[precision].value, epilogue=epilogue.value, store_y=True,
         eval_stats=eval_stats or epilogue == gemm.EPILOGUE_NORMALIZE, has_bias=True, scale_mode=SCALE_NUMBER.value,
         has_gamma=True, has_beta=False, block_m=64, block_n=64, block_k=32, group_m=8, use_tma=False,
-        persistent=persistent)), TAIL=tail)
+        persistent=persistent, k_tail=not persistent)), TAIL=tail)
 
 
 def cases() -> dict:

@@ -32,7 +32,8 @@ def test_tf32_split_is_exact_and_hi_fits_tf32(transposed):
     assert (lo.abs() <= hi.abs() * 2.0**-11).all()  # rounded to nearest: |lo| is at most half a tf32 ulp
 
 
-@pytest.mark.parametrize("m, k, n", [(37, 40, 19), (64, 48, 64), (5, 7, 3)])
+# K of whole blocks (64) and with a partial last one: the kernel's two K variants (gemm.k_may_end_partial)
+@pytest.mark.parametrize("m, k, n", [(37, 40, 19), (64, 48, 64), (5, 7, 3), (21, 64, 24)])
 @pytest.mark.parametrize("precision", FP32_ACCURATE)
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("layout", ["row-major", "transposed"])
