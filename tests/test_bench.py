@@ -270,7 +270,7 @@ def test_perturbed_parameters_are_seeded_and_nontrivial():
     assert bn.num_batches_tracked.item() == 0
 
 
-@pytest.mark.parametrize("tool", ["profile_host.py", "memory_peak.py", "compile_cache.py"])
+@pytest.mark.parametrize("tool", ["profile_host.py", "memory_peak.py", "compile_cache.py", "options_ab.py"])
 def test_gpu_tools_parse_arguments_on_any_machine(tool):
     """`--help` works without a GPU: the tools import only the fusepass package and do GPU work after parsing."""
     result = subprocess.run([sys.executable, f"tools/{tool}", "--help"], cwd=ROOT, capture_output=True, text=True,
