@@ -2,6 +2,10 @@
 training steps (ten for MoCo v3 on a GPU) and an eval forward, every loss, gradient, parameter and buffer
 by the project's criterion, with the exact number of rewrites and no fallback."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -128,3 +132,17 @@ def test_explain_puts_back_parameters_replaced_through_data():
     now = dict(moco.named_parameters())
     for name, (p, pointer, value) in params.items():
         assert now[name] is p and p.data_ptr() == pointer and torch.equal(p.detach(), value), name
+
+
+@pytest.mark.parametrize("system", ["moco_v3", "barlow_twins"])
+def test_equally_exact_runs_meet_the_criterion_over_steps_on_cpu(system):
+    """tools/equally_exact.py: eager fed permuted rows trains as eager does (the same loss in exact
+    arithmetic) and, each gradient judged over its steps, is no further from float64."""
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "tools/equally_exact.py", system, "--seeds", "2", "--steps", "4",
+                             "--size", "cpu"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "gradients over steps 0 of 2" in result.stdout, result.stdout
+    ratios = [float(line.rsplit(" ", 3)[-3].rstrip("x")) for line in result.stdout.splitlines()
+              if "the furthest gradient" in line]
+    assert len(ratios) == 2 and all(r != 1.0 for r in ratios), result.stdout  # another rounding: not eager's
