@@ -213,7 +213,7 @@ def _k_block(x_ptrs, w_ptrs, lo_ptrs, ks, k_left, acc, PRECISION: tl.constexpr, 
 
 
 # The row count (M; K in a weight gradient's GEMM, whose reduction runs over the batch) changes with the
-# batch: a runtime argument, never specialized, so a new batch size compiles nothing.
+# batch: a runtime argument, never specialized (K's partial last block: K_TAIL, k_may_end_partial).
 @triton.jit(do_not_specialize=["M", "K"])
 def _gemm_kernel(
     # pointers: GEMM operands
