@@ -438,19 +438,12 @@ def spread(result: dict) -> str:
     return f" ({p20:.3f}–{p80:.3f})" if p20 and p80 and p80 > SPREAD * p20 else ""
 
 
-def ratio_cell(other: Optional[Row], fused: Optional[Row], key: str = "median_ms") -> str:
-    """other's time over fusepass's: above 1, fusepass is faster."""
-    if other is None or fused is None or not other.usable or not fused.usable:
+def ratio_cell(numerator: Optional[Row], denominator: Optional[Row], key: str = "median_ms") -> str:
+    """One row's value over another's. The speed tables put another provider's time over fusepass's
+    (above 1, fusepass is faster); the memory table, fusepass's peak over another's (below 1, it holds less)."""
+    if numerator is None or denominator is None or not numerator.usable or not denominator.usable:
         return MISSING
-    a, b = other.result.get(key), fused.result.get(key)
-    return f"{a / b:.2f}×" if a is not None and b else MISSING
-
-
-def share_cell(fused: Optional[Row], other: Optional[Row], key: str) -> str:
-    """fusepass's value over other's."""
-    if other is None or fused is None or not other.usable or not fused.usable:
-        return MISSING
-    a, b = fused.result.get(key), other.result.get(key)
+    a, b = numerator.result.get(key), denominator.result.get(key)
     return f"{a / b:.2f}×" if a is not None and b else MISSING
 
 
@@ -590,8 +583,8 @@ def memory_table(rows: list[Row]) -> Optional[str]:
             fused = providers.get("fusepass")
             lines.append([measure, problem_cell(problem, size), mode, precision,
                           *(ms_cell(providers.get(p), "own_peak_mb", 0) for p in PROVIDERS),
-                          share_cell(fused, providers.get("eager"), "own_peak_mb"),
-                          share_cell(fused, providers.get("inductor"), "own_peak_mb"), gpu_cell(providers)])
+                          ratio_cell(fused, providers.get("eager"), "own_peak_mb"),
+                          ratio_cell(fused, providers.get("inductor"), "own_peak_mb"), gpu_cell(providers)])
     headers = ["measure", "problem", "mode", "precision", "eager MB", "Inductor MB", "max-autotune MB", "fusepass MB",
                "fusepass ÷ eager", "fusepass ÷ Inductor", "GPU"]
     return markdown(lines, headers) if lines else None
