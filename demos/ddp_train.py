@@ -2,13 +2,15 @@
 SyncBatchNorm chains (the user's own convert_sync_batchnorm), eager DDP / Inductor DDP / fusepass DDP.
 
     torchrun --nproc-per-node 2 demos/ddp_train.py [--problems demos/problems/gemm_scale_batchnorm.py ...]
-        [--precision fp32 bf16-autocast] [--steps 20] [--json results.json]
+        [--precision fp32 bf16-autocast] [--steps 20] [--json results.json] [--profile]
 
 Each rank trains on its own batch of the problem's batch size over the world size (the reference batch
 split across the GPUs), for --warmup steps and then --steps timed steps (forward, backward, SGD step).
 Every rank prints what fusepass fused; rank 0 prints the median step time of each provider, timed with
 CUDA events over a fixed number of steps (all ranks must run the same steps: their collectives pair up,
-so do_bench's own choice of repetitions cannot be used). On a machine without GPUs it runs on CPU with
+so do_bench's own choice of repetitions cannot be used). --profile: after timing, rank 0 also prints each
+provider's host time per step (the steps queued without synchronizing) and the CUDA kernels of --steps
+steps (torch.profiler), the other ranks running the same steps unprofiled. On a machine without GPUs it runs on CPU with
 gloo, shrunk (--shrink), plain batch norm only: DDP refuses SyncBatchNorm on CPU.
 """
 
@@ -29,6 +31,7 @@ import torch.nn as nn
 from tabulate import tabulate
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
 
 from fusepass.measure import source_commit
 from fusepass.providers import build_model, precision_context, problem_inputs
@@ -51,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--shrink", type=int, default=16, help="on CPU: divide the problem's sizes by this")
     parser.add_argument("--json", help="rank 0 writes the results here")
+    parser.add_argument("--profile", action="store_true", help="rank 0 prints host time and kernels per provider")
     return parser.parse_args()
 
 
@@ -91,6 +95,10 @@ def run_case(path: str, norm: str, precision: str, args, device: torch.device, r
         step = training_step(provider, copy.deepcopy(base), inputs, precision, device)
         times = timed(step, args.warmup, args.steps, device)
         case["ms"][provider] = statistics.median(times)
+        if args.profile:
+            report = profile_steps(step, args.steps, device)
+            if rank == 0:
+                print(f"\n== {case['problem']} {norm} {precision} {provider} ==\n{report}", flush=True)
         if provider == "fusepass":
             fused = {key: counters["fusepass"][key] for key in ("graphs", "rewrites", "linears", "fallbacks")}
             case["fused"] = fused
@@ -131,6 +139,28 @@ def timed(step, warmup: int, steps: int, device: torch.device) -> list[float]:
             step()
             times.append((time.perf_counter() - begin) * 1e3)
     return times
+
+
+def profile_steps(step, steps: int, device: torch.device) -> str:
+    """Host milliseconds per step (queued without synchronizing: the CPU's own work, and any wait the
+    step forces on it), then the CUDA kernels of `steps` profiled steps."""
+    cuda = device.type == "cuda"
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    synchronize()
+    begin = time.perf_counter()
+    for _ in range(steps):
+        step()
+    queued = time.perf_counter()
+    synchronize()
+    done = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            step()
+        synchronize()
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=80)
+    return (f"host {(queued - begin) / steps * 1e3:.3f} ms/step, wall {(done - begin) / steps * 1e3:.3f} ms/step "
+            f"over {steps} steps\n{table}")
 
 
 def print_table(results: list[dict], world: int) -> None:
