@@ -9,8 +9,9 @@ split across the GPUs), for --warmup steps and then --steps timed steps (forward
 Every rank prints what fusepass fused; rank 0 prints the median step time of each provider, timed with
 CUDA events over a fixed number of steps (all ranks must run the same steps: their collectives pair up,
 so do_bench's own choice of repetitions cannot be used). --profile: after timing, rank 0 also prints each
-provider's host time per step (the steps queued without synchronizing) and the CUDA kernels of --steps
-steps (torch.profiler), the other ranks running the same steps unprofiled. On a machine without GPUs it runs on CPU with
+provider's host time per step (the steps queued without synchronizing), the CUDA kernels of --steps
+steps (torch.profiler) and the Python functions taking the host's time (cProfile); every rank runs the
+profiled steps, so that the collectives pair up. On a machine without GPUs it runs on CPU with
 gloo, shrunk (--shrink), plain batch norm only: DDP refuses SyncBatchNorm on CPU.
 """
 
@@ -18,8 +19,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import time
 import warnings
@@ -143,7 +147,7 @@ def timed(step, warmup: int, steps: int, device: torch.device) -> list[float]:
 
 def profile_steps(step, steps: int, device: torch.device) -> str:
     """Host milliseconds per step (queued without synchronizing: the CPU's own work, and any wait the
-    step forces on it), then the CUDA kernels of `steps` profiled steps."""
+    step forces on it), the CUDA kernels of `steps` steps, and a cProfile of `steps` more."""
     cuda = device.type == "cuda"
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)
     synchronize()
@@ -159,8 +163,16 @@ def profile_steps(step, steps: int, device: torch.device) -> str:
         synchronize()
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=80)
+    python = cProfile.Profile()
+    python.enable()
+    for _ in range(steps):
+        step()
+    synchronize()
+    python.disable()
+    host = io.StringIO()
+    pstats.Stats(python, stream=host).sort_stats("tottime").print_stats(25)
     return (f"host {(queued - begin) / steps * 1e3:.3f} ms/step, wall {(done - begin) / steps * 1e3:.3f} ms/step "
-            f"over {steps} steps\n{table}")
+            f"over {steps} steps\n{table}\n{host.getvalue()}")
 
 
 def print_table(results: list[dict], world: int) -> None:

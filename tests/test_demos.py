@@ -82,6 +82,6 @@ def test_ddp_train_demo_runs_under_torchrun_on_cpu(tmp_path):
             in result.stdout, result.stdout
     for provider in ("eager", "inductor", "fusepass"):
         assert f"== mlp_batchnorm batch_norm fp32 {provider} ==\nhost " in result.stdout, result.stdout
-    assert result.stdout.count("over 2 steps") == 3
+    assert result.stdout.count("over 2 steps") == 3 and result.stdout.count("function calls") == 3
     [case] = json.loads(out.read_text())["results"]
     assert set(case["ms"]) == {"eager", "inductor", "fusepass"} and case["fused"]["rewrites"] == 2
