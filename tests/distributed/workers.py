@@ -162,6 +162,8 @@ class SyncChains(nn.Module):
     """[Linear -> * s -> BatchNorm1d -> ReLU] -> [Linear -> BatchNorm1d -> GELU -> softmax] -> Linear, then
     BatchNorm1d -> SyncBatchNorm by the user's convert_sync_batchnorm."""
 
+    BIASES_BEFORE_BATCH_NORM = ("l1.bias", "l2.bias")  # their training gradient is exactly 0
+
     def __init__(self):
         super().__init__()
         self.l1, self.bn1 = nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN)
@@ -206,7 +208,8 @@ def sync_batch_norm_in_subgroups(rank: int, world_size: int, init_file: str) -> 
             outs[name] = fn(x[part].to(dtype))
             (outs[name].double() * projection[part]).sum().backward()
         assert_no_further_from_float64("output", outs["fused"], outs["eager"][rows], outs["ref"][rows])
-        _compare_synced_state(fused, eager, ref, summed=True, world_size=2, group=mine)
+        _compare_synced_state(fused, eager, ref, summed=True, world_size=2, group=mine,
+                              cancelling=SyncChains.BIASES_BEFORE_BATCH_NORM)
         assert_fused(rewrites=2, graphs=1, linears=1)
 
 
@@ -290,7 +293,8 @@ def _sync_batch_norm_chains(rank: int, world_size: int, dev: torch.device, autoc
         assert_no_further_from_float64("output", outs["fused"], eager_out, outs["ref"][rows])
         if training:
             unwrap = (lambda m: m.module) if on_gpus else (lambda m: m)  # noqa: E731
-            _compare_synced_state(unwrap(fused), unwrap(eager), ref, summed=not on_gpus, world_size=world_size)
+            _compare_synced_state(unwrap(fused), unwrap(eager), ref, summed=not on_gpus, world_size=world_size,
+                                  cancelling=SyncChains.BIASES_BEFORE_BATCH_NORM)
     patterns = [m["pattern"] for m in explain(nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)).train(),
                                               x[rows]).matches]
     assert patterns == ["linear_scale_sync_batch_norm_relu", "linear_sync_batch_norm_gelu_softmax",
@@ -312,10 +316,19 @@ def _assert_close_to_float64(what: str, fused: torch.Tensor, eager: torch.Tensor
         assert error <= FLOAT64_EXACT, f"{what}: {error:.3g} from the float64 model (fp32 math inside?)"
 
 
+# A gradient whose exact value is 0 (below) may be this many times eager's rounding noise: measured 2.3x
+# (a linear bias before a synced batch norm, fp32, 33 + 0 rows on two H100s; norms over 64 features).
+NOISE_SLACK = 4.0
+
+
 def _compare_synced_state(fused: nn.Module, eager: nn.Module, ref: nn.Module, summed: bool, world_size: int,
-                          group: Optional[dist.ProcessGroup] = None) -> None:
+                          group: Optional[dist.ProcessGroup] = None, cancelling: tuple = ()) -> None:
     """Gradients against the global batch's: summed over the ranks of `group` here, or DDP's averages
-    scaled back."""
+    scaled back. `cancelling`: parameters whose gradient over the global batch is exactly 0 (a linear's
+    bias before a synced batch norm, which removes any shift of all ranks' rows alike). Each rank returns
+    its own rows' column sum, as eager does, so the sum over the ranks is rounding noise in both, and
+    float64's is too: a relative error to it means nothing. They are judged by size: no larger than
+    NOISE_SLACK times eager's noise."""
     for (name, p_fused), (_, p_eager), (_, p_ref) in zip(fused.named_parameters(), eager.named_parameters(),
                                                          ref.named_parameters()):
         if summed:
@@ -323,6 +336,10 @@ def _compare_synced_state(fused: nn.Module, eager: nn.Module, ref: nn.Module, su
             fused_grad, eager_grad = p_fused.grad, p_eager.grad
         else:
             fused_grad, eager_grad = p_fused.grad * world_size, p_eager.grad * world_size
+        if name in cancelling:
+            noise, eager_noise = fused_grad.double().norm().item(), eager_grad.double().norm().item()
+            assert noise <= NOISE_SLACK * eager_noise, f"grad {name}: noise {noise:.3g}, eager's {eager_noise:.3g}"
+            continue
         _assert_close_to_float64(f"grad {name}", fused_grad, eager_grad, p_ref.grad)
     for (name, b_fused), (_, b_eager), (_, b_ref) in zip(fused.named_buffers(), eager.named_buffers(),
                                                          ref.named_buffers()):
