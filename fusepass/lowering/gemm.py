@@ -32,8 +32,8 @@ from fusepass.lowering import limits, pointwise
 from fusepass.lowering.gemm_epilogue import EPILOGUE_LINEAR, EPILOGUE_NORMALIZE, EPILOGUE_STATISTICS, tile_epilogue
 from fusepass.lowering.launch import launch, present_or_placeholder, tracing, unused_pointer
 from fusepass.lowering.normalize import Partials
-from fusepass.lowering.schema import FLOAT16_DTYPES, BatchNorm, Linear, Scale, Tail
-from fusepass.lowering.tf32_split import split_tf32, tf32_split
+from fusepass.lowering.schema import BatchNorm, Linear, Scale, Tail
+from fusepass.lowering.tf32_split import split_row_stride, split_tf32, tf32_split
 from fusepass.lowering.tiles import grouped_tile, tile_offsets
 
 # GEMM precisions (PRECISION).
@@ -112,10 +112,9 @@ def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
     else:
         configs = [GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4),
                    GemmConfig(64, 64, 64, 8, 4, 3)]
-        # Persistent, on the first's tiles (H100: 0.95-0.99x cuBLAS bf16 at the seed chains' and the MLP's
-        # wide layers, against 0.78-0.84x a program per tile; BENCHMARKS.md "GEMM alone").
-        configs.append(dataclasses.replace(configs[0], persistent=True))
-    return configs + [configs[0].with_tma()]
+    # Persistent, on the first's tiles (H100: 0.95-0.99x cuBLAS bf16 at the seed chains' and the MLP's
+    # wide layers, against 0.78-0.84x a program per tile; BENCHMARKS.md "GEMM alone").
+    return configs + [dataclasses.replace(configs[0], persistent=True), configs[0].with_tma()]
 
 
 def shortlist(configs: list[GemmConfig], m: int, n: int, device: torch.device) -> list[GemmConfig]:
@@ -143,14 +142,21 @@ def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) 
     return limits.first(
         limits.column_grid(x.shape[1]) if split else None,
         limits.tma_layout(x, weight) if config.tma else None,
-        _persistent_unlaunchable(x, weight) if config.persistent else None,
+        limits.tma_layout(*_as_read(x, weight, precision), device=x.device) if config.persistent else None,
     )
 
 
-def _persistent_unlaunchable(x: Tensor, weight: Tensor) -> Optional[str]:
-    if x.dtype not in FLOAT16_DTYPES:
-        return f"the persistent GEMM multiplies bf16/fp16 operands, not {x.dtype}"
-    return limits.tma_layout(x, weight)
+def _as_read(x: Tensor, weight: Tensor, precision: str) -> tuple[Tensor, Tensor]:
+    """The operands as the kernel reads them: a split one from aligned split buffers, a weight given a
+    K-major copy contiguous (stand-ins on the meta device, with the layout only)."""
+    if needs_k_major_copy(weight, precision):
+        weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+    halves = {"split_x": 0, "split_w": 1}.get(precision)
+    if halves is not None:
+        rows, cols = (x, weight)[halves].shape
+        split = torch.empty((rows, split_row_stride(cols)), dtype=x.dtype, device="meta")[:, :cols]
+        x, weight = (split, weight) if halves == 0 else (x, split)
+    return x, weight
 
 
 # --------------------------------------------------------------------------- kernels
@@ -257,13 +263,17 @@ def _gemm_kernel(
                                            block_shape=[BLOCK_M, BLOCK_K])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
+        lo_desc = w_desc  # unread unless an operand is split in memory; its halves share their strides
+        if PRECISION == SPLIT_W:
+            lo_desc = tl.make_tensor_descriptor(lo_ptr, shape=[N, K], strides=[stride_wn, 1],
+                                                block_shape=[BLOCK_N, BLOCK_K])
+        if PRECISION == SPLIT_X:
+            lo_desc = tl.make_tensor_descriptor(lo_ptr, shape=[M, K], strides=[stride_xm, 1],
+                                                block_shape=[BLOCK_M, BLOCK_K])
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a = x_desc.load([pid_m * BLOCK_M, k0])
-                b = w_desc.load([pid_n * BLOCK_N, k0]).T
-                acc = tl.dot(a, b, acc)
+            acc = _descriptor_tile_product(x_desc, w_desc, lo_desc, K, pid_m, pid_n, PRECISION, BLOCK_M, BLOCK_N,
+                                           BLOCK_K)
             tile_epilogue(acc, pid_m, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N),
                           M, N, y_col0, stride_ym, num_pid_m, bias_ptr, scale_ptr, running_mean_ptr,
                           running_var_ptr, gamma_ptr, beta_ptr, tail_tensors, y_ptr, epilogue_out_ptr, mean_ptr,
@@ -285,24 +295,12 @@ def _gemm_kernel(
 def _tile_product(x_ptr, w_ptr, lo_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, pid_m, pid_n, rows,
                   cols, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, K_TAIL: tl.constexpr):
-    """The fp32 product of one output tile, a program's own."""
-    if PRECISION == SPLIT_X:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y's tile transposed (see _dot)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    """The fp32 product of one output tile, a program's own (USE_TMA: x_ptr, w_ptr, lo_ptr are
+    host-made tensor descriptors)."""
     if USE_TMA:
-        # x_ptr, w_ptr, lo_ptr are tensor descriptors: the copy engine fetches whole tiles, zero-filled
-        # past the edges, so no masks and no address arithmetic in the loop.
-        for k0 in range(0, K, BLOCK_K):
-            a = x_ptr.load([pid_m * BLOCK_M, k0])
-            b = w_ptr.load([pid_n * BLOCK_N, k0]).T
-            lo = b
-            if PRECISION == SPLIT_W:
-                lo = lo_ptr.load([pid_n * BLOCK_N, k0]).T
-            if PRECISION == SPLIT_X:
-                lo = lo_ptr.load([pid_m * BLOCK_M, k0])
-            acc = _dot(a, b, lo, acc, PRECISION)
+        acc = _descriptor_tile_product(x_ptr, w_ptr, lo_ptr, K, pid_m, pid_n, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
+        acc = _fresh_accumulator(PRECISION, BLOCK_M, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         # Out-of-range rows/columns wrap around for the loads (always in bounds, no masks in the main
         # loop); their results are never stored. The low half has its operand's shape and strides.
@@ -326,8 +324,37 @@ def _tile_product(x_ptr, w_ptr, lo_ptr, M, N, K, stride_xm, stride_xk, stride_wn
         if K_TAIL:
             if k_whole < K:
                 acc = _k_block(x_ptrs, w_ptrs, lo_ptrs, ks, K - k_whole, acc, PRECISION, True)
+        if PRECISION == SPLIT_X:
+            acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
+def _descriptor_tile_product(x_desc, w_desc, lo_desc, K, pid_m, pid_n, PRECISION: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One output tile's fp32 product from TMA descriptors (made on the host or in the kernel): the copy
+    engine fetches whole tiles, zero-filled past the edges, so no masks and no address arithmetic."""
+    acc = _fresh_accumulator(PRECISION, BLOCK_M, BLOCK_N)
+    for k0 in range(0, K, BLOCK_K):
+        a = x_desc.load([pid_m * BLOCK_M, k0])
+        b = w_desc.load([pid_n * BLOCK_N, k0]).T
+        lo = b
+        if PRECISION == SPLIT_W:
+            lo = lo_desc.load([pid_n * BLOCK_N, k0]).T
+        if PRECISION == SPLIT_X:
+            lo = lo_desc.load([pid_m * BLOCK_M, k0])
+        acc = _dot(a, b, lo, acc, PRECISION)
     if PRECISION == SPLIT_X:
         acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
+def _fresh_accumulator(PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    if PRECISION == SPLIT_X:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y's tile transposed (see _dot)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     return acc
 
 

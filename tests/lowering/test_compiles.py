@@ -86,6 +86,10 @@ def cases() -> dict:
                                        (gemm.EPILOGUE_NORMALIZE, TAIL, True), (gemm.EPILOGUE_LINEAR, NO_TAIL, True)):
         found[f"gemm_kernel[native-persistent-{epilogue.value}]"] = (
             gemm._gemm_kernel, _gemm_meta("native", epilogue, tail, True, eval_stats), "*bf16")
+    # ... and in each fp32 precision
+    for precision in ("tf32", "tf32x3", "split_w", "split_x"):
+        found[f"gemm_kernel[{precision}-persistent]"] = (
+            gemm._gemm_kernel, _gemm_meta(precision, gemm.EPILOGUE_STATISTICS, NO_TAIL, True), "*fp32")
     return found
 
 

@@ -83,7 +83,9 @@ def test_statistics_epilogue_per_row_tile(scale):
 
 
 IMPLEMENTATIONS = [("triton", "tf32x3"), ("triton", "split_w"), ("triton", "split_x"), ("triton-tma", "tf32x3"),
-                   ("triton-tma", "split_w"), ("triton-tma", "split_x"), ("cublas", "tf32x3"), ("cublas", "ieee")]
+                   ("triton-tma", "split_w"), ("triton-tma", "split_x"), ("triton-persistent", "tf32x3"),
+                   ("triton-persistent", "split_w"), ("triton-persistent", "split_x"), ("cublas", "tf32x3"),
+                   ("cublas", "ieee")]
 
 
 def run_implementation(args, impl, precision):
@@ -146,13 +148,25 @@ def test_a_misaligned_weight_is_checked_itself():
     assert Implementation("native", SMALL).unlaunchable(args) is None  # pointer loads take any offset
 
 
-def test_persistent_gemm_needs_tma_rows_and_half_precision():
+def test_persistent_gemm_needs_tma_rows_of_the_operands_it_reads():
+    """Checked on the operands as the kernel reads them: an operand split in memory comes from aligned
+    split buffers, a transposed fp32 weight from its K-major copy."""
     x, w = torch.randn(8, 12, dtype=torch.float16), torch.randn(16, 12, dtype=torch.float16)
     assert "16-byte" in gemm.unlaunchable(x, w, "native", PERSISTENT)  # rows of 24 bytes
     x, w = torch.randn(8, 16, dtype=torch.float16), torch.randn(16, 16, dtype=torch.float16)
     assert gemm.unlaunchable(x, w, "native", PERSISTENT) is None
     assert "contiguous" in gemm.unlaunchable(x.t().contiguous().t(), w, "native", PERSISTENT)
-    assert "bf16/fp16" in gemm.unlaunchable(x.float(), w.float(), "tf32x3", PERSISTENT)
+    assert "contiguous" in gemm.unlaunchable(x, w.t().contiguous().t(), "native", PERSISTENT)  # no copy in bf16
+    x, w = x.float(), w.float()
+    assert gemm.unlaunchable(x, w.t().contiguous().t(), "tf32x3", PERSISTENT) is None  # its K-major copy
+    x_by_columns = x.t().contiguous().t()
+    assert "contiguous" in gemm.unlaunchable(x_by_columns, w, "tf32x3", PERSISTENT)
+    assert "contiguous" in gemm.unlaunchable(x_by_columns, w, "split_w", PERSISTENT)
+    assert gemm.unlaunchable(x_by_columns, w, "split_x", PERSISTENT) is None  # read from its split halves
+    x, w = torch.randn(8, 5), torch.randn(16, 5)  # rows of 20 bytes; split buffers' of 64
+    assert "16-byte" in gemm.unlaunchable(x, w, "tf32x3", PERSISTENT)
+    assert "16-byte" in gemm.unlaunchable(x, w, "split_x", PERSISTENT)  # the weight, as it is
+
 
 
 @pytest.mark.parametrize("softmax", [False, True])
