@@ -1,6 +1,6 @@
 """fusepass's Triton GEMM alone (y = x @ W^T, no epilogue) against cuBLAS, per precision, at the seed
 shapes and the MLP's layers: for each, cuBLAS's time and fusepass's best tile config (every candidate the
-full search would time, gemm.gemm_configs; in fp32 also the 3xTF32 variants with an operand split in
+full search would time, gemm_configs.candidates; in fp32 also the 3xTF32 variants with an operand split in
 memory, the split included), TFLOP/s and the fraction of the GPU's dense peak. GPU only.
 
     python tools/gemm_alone.py [--json FILE] [--shapes M,K,N ...] [--precisions bf16 tf32 tf32x3]
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 from tabulate import tabulate
 
-from fusepass.lowering import gemm
+from fusepass.lowering import gemm, gemm_configs
 from fusepass.lowering.schema import Linear
 from fusepass.measure import source_commit
 from fusepass.numerics import rel_error
@@ -36,11 +36,11 @@ PRECISIONS = ("bf16", "tf32", "tf32x3")
 PEAKS = {"bf16": 989e12, "tf32": 495e12, "tf32x3": 495e12 / 3}
 
 
-def candidates(precision: str) -> list[tuple[str, gemm.GemmConfig]]:
+def candidates(precision: str) -> list[tuple[str, gemm_configs.GemmConfig]]:
     """(kernel precision, config) for every candidate; the fp32 precisions' pre-split variants too."""
     kernel_precisions = {"bf16": ["native"], "tf32": ["tf32"], "tf32x3": ["tf32x3", "split_w", "split_x"]}
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    return [(p, c) for p in kernel_precisions[precision] for c in gemm.gemm_configs(p, dtype)]
+    return [(p, c) for p in kernel_precisions[precision] for c in gemm_configs.candidates(p, dtype)]
 
 
 def bench(fn) -> float:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from fusepass.lowering import gemm
+from fusepass.lowering import gemm, gemm_configs
 from fusepass.lowering.schema import Linear
 from fusepass.numerics import rel_error
 
@@ -105,7 +105,7 @@ def main() -> None:
                 raise SystemExit(f"{shape}: the {name} persistent GEMM is wrong ({rel_error(y, ref):.2g} from cuBLAS)")
         cublas = bench(lambda: F.linear(x, w))
         current = min(bench(lambda c=c: gemm.run_gemm(Linear(x, w, None), "native", c))
-                      for c in gemm.gemm_configs("native", x.dtype))
+                      for c in gemm_configs.candidates("native", x.dtype))
         direct, compiled = bench(lambda: run(persistent_gemm, x, w)), bench(lambda: traced(x, w))
         tflops = 2 * m * n * k / 1e9
         print(f"{m}x{k}->{n}: cuBLAS {cublas:.3f} ms ({tflops / cublas:.0f} TFLOP/s); fusepass's GEMM "

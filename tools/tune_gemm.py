@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 from tabulate import tabulate
 
-from fusepass.lowering import gemm
+from fusepass.lowering import gemm, gemm_configs
 from fusepass.lowering.schema import Linear, Scale
 from fusepass.lowering.tf32_split import split_tf32
 from fusepass.numerics import rel_error
@@ -22,8 +22,8 @@ from fusepass.numerics import rel_error
 # tiles that came closest for split_w (64x128x32 and 128x64x32 w4 s3: two or three programs per SM,
 # whose split and tensor-core phases could overlap) and a two-stage 128x128x64. BENCHMARKS.md's "Tried
 # and rejected" lists the other shapes measured.
-EXTRA_CONFIGS = [gemm.GemmConfig(64, 128, 32, 8, 4, 3), gemm.GemmConfig(128, 64, 32, 8, 4, 3),
-                 gemm.GemmConfig(128, 128, 64, 8, 8, 2)]
+EXTRA_CONFIGS = [gemm_configs.GemmConfig(64, 128, 32, 8, 4, 3), gemm_configs.GemmConfig(128, 64, 32, 8, 4, 3),
+                 gemm_configs.GemmConfig(128, 128, 64, 8, 8, 2)]
 SHAPES = [(16384, 4096, 4096), (1024, 8192, 8192), (128, 1024, 512)]
 
 
@@ -65,7 +65,7 @@ def main() -> None:
             rows.append(dict(m=m, k=k, n=n, dtype=str(dtype).split(".")[-1], kernel="cuBLAS", config="",
                              ms=ms, tflops=2 * m * n * k / ms / 1e9, rel_err=rel_error(F.linear(xd, wd, bd), ref)))
             for precision in precisions:
-                configs = gemm.gemm_configs(precision, dtype) + EXTRA_CONFIGS
+                configs = gemm_configs.candidates(precision, dtype) + EXTRA_CONFIGS
                 for config in configs[:2] if args.quick else configs:
                     try:
                         rows.append(run_case(m, k, n, dtype, precision, config, xd, wd, bd, s, ref))

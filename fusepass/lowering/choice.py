@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fusepass.lowering import gemm, tuning
+from fusepass.lowering import gemm_configs, tuning
 from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.launch import hint
 from fusepass.lowering.schema import FLAT_NAMES, ChainArgs, flatten, unflatten
@@ -45,15 +45,15 @@ def gemm_option(x: Tensor, weight: Tensor, gemm_option: str) -> str:
 
 
 def triton_configs(precisions: list[str], dtype: torch.dtype, m: int, n: int, device: torch.device,
-                   tma: bool) -> list[tuple[str, gemm.GemmConfig]]:
-    """(precision, tile config) for each that the tuner's search times (gemm.shortlist for an m x n
+                   tma: bool) -> list[tuple[str, gemm_configs.GemmConfig]]:
+    """(precision, tile config) for each that the tuner's search times (gemm_configs.shortlist for an m x n
     output unless the search is full); TMA configs only where `tma` (their operands are checked per
     call, limits.py)."""
     chosen = []
     for p in precisions:
-        configs = gemm.gemm_configs(p, dtype)
+        configs = gemm_configs.candidates(p, dtype)
         if tuning.search() != "full":
-            configs = gemm.shortlist(configs, m, n, device)
+            configs = gemm_configs.shortlist(configs, m, n, device)
         chosen += [(p, config) for config in configs if tma or not config.tma]
     return chosen
 
@@ -102,7 +102,7 @@ def _gemm_choice(args: ChainArgs) -> str:
 
 def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[str, Implementation]:
     """Every way to run the op for this problem that the tuner's search times (tuning.search: the short
-    search takes each precision's gemm.shortlist), by name, the default first; only those that can launch
+    search takes each precision's gemm_configs.shortlist), by name, the default first; only those that can launch
     for this call (Implementation.unlaunchable). 3xTF32 also with the smaller operand split in memory,
     unless the options forbid operand copies. Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever the
     gemm option says. TMA tile configs are offered where the call is not traced. `traced`: only those

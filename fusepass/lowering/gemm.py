@@ -2,10 +2,10 @@
 first steps in its epilogue (gemm_epilogue.py), so that the (N, F) result is not read again just to get
 statistics.
 
-Tiles: a program per output tile, or (PERSISTENT, bf16/fp16 with K-major operands) one program per SM
-looping over the tiles in grouped order, its tile loop flattened into the K loop so that a tile's loads
-overlap the previous tile's epilogue, loading through TMA descriptors made inside the kernel (which,
-unlike host-made ones, a traced launch can carry).
+Tiles (configs: gemm_configs.py): a program per output tile, or (PERSISTENT, K-major operands as the
+kernel reads them) one program per SM looping over the tiles in grouped order, its tile loop flattened
+into the K loop so that a tile's loads overlap the previous tile's epilogue, loading through TMA
+descriptors made inside the kernel (which, unlike host-made ones, a traced launch can carry).
 
 fp32 precisions (PRECISION): TF32 (what eager does when TF32 is allowed), TF32X3 (Triton's three-pass
 split: fp32-accurate on tensor cores), SPLIT_W (the same three passes with W split into tf32 hi + lo
@@ -18,7 +18,6 @@ gradient. bf16/fp16 inputs use the NATIVE dot, fp32 accumulation.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -26,14 +25,16 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusepass.lowering import limits, pointwise
+from fusepass.lowering.gemm_configs import PRE_SPLIT, GemmConfig, sm_count
 from fusepass.lowering.gemm_epilogue import EPILOGUE_LINEAR, EPILOGUE_NORMALIZE, EPILOGUE_STATISTICS, tile_epilogue
 from fusepass.lowering.launch import launch, present_or_placeholder, tracing, unused_pointer
 from fusepass.lowering.normalize import Partials
 from fusepass.lowering.schema import BatchNorm, Linear, Scale, Tail
-from fusepass.lowering.tf32_split import split_row_stride, split_tf32, tf32_split
+from fusepass.lowering.tf32_split import split_tf32, tf32_split
 from fusepass.lowering.tiles import grouped_tile, tile_offsets
 
 # GEMM precisions (PRECISION).
@@ -43,27 +44,6 @@ TF32X3 = tl.constexpr(2)
 SPLIT_W = tl.constexpr(3)
 SPLIT_X = tl.constexpr(4)
 PRECISIONS = {"native": NATIVE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W, "split_x": SPLIT_X}
-PRE_SPLIT = ("split_w", "split_x")  # precisions whose kernel reads one operand as tf32 hi + lo from memory
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
-    tma: bool = False  # load the operand tiles through host-made TMA descriptors (Hopper's bulk copy engine)
-    persistent: bool = False  # one program per SM over the tiles, loading through in-kernel TMA descriptors
-
-    def describe(self) -> str:
-        return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} "
-                f"w{self.num_warps} s{self.num_stages}" + (" tma" if self.tma else "")
-                + (" persistent" if self.persistent else ""))
-
-    def with_tma(self) -> "GemmConfig":
-        return dataclasses.replace(self, tma=True)
 
 
 class GemmMeta(NamedTuple):
@@ -94,69 +74,26 @@ def k_may_end_partial(k, block_k: int) -> bool:
     return not isinstance(k, int) or k % block_k != 0
 
 
-def gemm_configs(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
-    """Candidate tile shapes, from one place, best first (measured on an H200 with tools/tune_gemm.py;
-    the first is the default when tuning is off). Three-pass fp32 keeps a second accumulator and the
-    split halves in registers, so it gets 128 x 128 tiles; small 64-row tiles are for small problems.
-    The first config is also offered with TMA loads (used only where limits.tma_layout allows).
-    3xTF32 split in registers lost its 64 x 64 x 64 config when MoCo v3's test, judged step by step,
-    failed with it: a criterion eager fails against itself there (tests/test_real_models.py), not a
-    drift of those tiles (as exact alone as 128 x 128); it has not been measured back in."""
-    if precision == "tf32x3":
-        configs = [GemmConfig(128, 128, 64, 8, 8, 3)]
-    elif precision in PRE_SPLIT:
-        configs = [GemmConfig(128, 128, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 8, 4)]
-    elif precision == "tf32":
-        configs = [GemmConfig(128, 256, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 4, 4),
-                   GemmConfig(64, 64, 64, 8, 4, 3)]
-    else:
-        configs = [GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4),
-                   GemmConfig(64, 64, 64, 8, 4, 3)]
-    # Persistent, on the first's tiles (H100: 0.95-0.99x cuBLAS bf16 at the seed chains' and the MLP's
-    # wide layers, against 0.78-0.84x a program per tile; BENCHMARKS.md "GEMM alone").
-    return configs + [dataclasses.replace(configs[0], persistent=True), configs[0].with_tma()]
-
-
-def shortlist(configs: list[GemmConfig], m: int, n: int, device: torch.device) -> list[GemmConfig]:
-    """The configs a short search times: those with the first's tile shape (its pipeline depths and TMA
-    twin), and the smallest tiles where the first's would give fewer programs than the GPU has SMs
-    (measured at 128 x 1024 -> 512 on an H100: 16 tiles of 128 x 128 for 132 SMs)."""
-    first = configs[0]
-    chosen = [c for c in configs if (c.block_m, c.block_n, c.block_k) == (first.block_m, first.block_n, first.block_k)]
-    if triton.cdiv(m, first.block_m) * triton.cdiv(n, first.block_n) < sm_count(device):
-        smallest = min(configs, key=lambda c: c.block_m * c.block_n)
-        chosen += [c for c in configs if c.block_m * c.block_n == smallest.block_m * smallest.block_n
-                   and c not in chosen]
-    return chosen
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) -> Optional[str]:
     """Why run_gemm cannot run x @ weight^T in this precision and config (limits.py), or None."""
     split = precision in PRE_SPLIT
     return limits.first(
         limits.column_grid(x.shape[1]) if split else None,
         limits.tma_layout(x, weight) if config.tma else None,
-        limits.tma_layout(*_as_read(x, weight, precision), device=x.device) if config.persistent else None,
+        _persistent_unlaunchable(x, weight, precision) if config.persistent else None,
     )
 
 
-def _as_read(x: Tensor, weight: Tensor, precision: str) -> tuple[Tensor, Tensor]:
-    """The operands as the kernel reads them: a split one from aligned split buffers, a weight given a
-    K-major copy contiguous (stand-ins on the meta device, with the layout only)."""
-    if needs_k_major_copy(weight, precision):
-        weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
-    halves = {"split_x": 0, "split_w": 1}.get(precision)
-    if halves is not None:
-        rows, cols = (x, weight)[halves].shape
-        split = torch.empty((rows, split_row_stride(cols)), dtype=x.dtype, device="meta")[:, :cols]
-        x, weight = (split, weight) if halves == 0 else (x, split)
-    return x, weight
+def _persistent_unlaunchable(x: Tensor, weight: Tensor, precision: str) -> Optional[str]:
+    """TMA's needs, of the operands as the kernel reads them: one split in memory comes from split buffers,
+    aligned whatever its size; a weight given a K-major copy is contiguous, its rows K long. Checked
+    without guarding a traced graph on K (a weight gradient's K is the batch): where K's alignment is not
+    known, the walk is not offered."""
+    copied = needs_k_major_copy(weight, precision)
+    if copied and not statically_known_true(weight.shape[1] * weight.element_size() % 16 == 0):
+        return "the K-major copy's rows would not be 16-byte aligned"
+    as_given = ((x, precision == "split_x"), (weight, precision == "split_w" or copied))
+    return limits.tma_layout(*(t for t, replaced in as_given if not replaced), device=x.device)
 
 
 # --------------------------------------------------------------------------- kernels

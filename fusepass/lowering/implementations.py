@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusepass.lowering import gemm, limits
+from fusepass.lowering import gemm, gemm_configs, limits
 from fusepass.lowering.launch import tracing
 from fusepass.lowering.normalize import Statistics, normalize_linear_output, normalize_training, output_pass
 from fusepass.lowering.schema import ChainArgs, ChainOutputs, flatten
@@ -29,7 +29,7 @@ from fusepass.lowering.schema import ChainArgs, ChainOutputs, flatten
 class Implementation:
     """The Triton GEMM in `precision` with tile `config`, or cuBLAS (config None), and the passes."""
     precision: str
-    config: Optional[gemm.GemmConfig] = None
+    config: Optional[gemm_configs.GemmConfig] = None
 
     @property
     def name(self) -> str:
@@ -55,7 +55,7 @@ class Implementation:
         )
 
 
-def on_triton_gemm(args: ChainArgs, precision: str, config: gemm.GemmConfig) -> ChainOutputs:
+def on_triton_gemm(args: ChainArgs, precision: str, config: gemm_configs.GemmConfig) -> ChainOutputs:
     """Training: GEMM and output pass (with a finalize launch between them when the row tiles are
     many). Eval: the GEMM alone, or GEMM and the softmax pass."""
     bn = args.batch_norm

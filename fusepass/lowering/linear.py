@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusepass.lowering import gemm, limits, tuning
+from fusepass.lowering import gemm, gemm_configs, limits, tuning
 from fusepass.lowering.choice import (cublas_traceable, gemm_option, matmul_precision, pre_split_precision,
                                       triton_configs)
 from fusepass.lowering.implementations import cublas_precision
@@ -60,7 +60,7 @@ class LinearImplementation:
     """The Triton GEMM in `precision` with tile `config` (on K-major copies of the operands where
     `k_major_copies`), or cuBLAS at that precision (config None)."""
     precision: str
-    config: Optional[gemm.GemmConfig] = None
+    config: Optional[gemm_configs.GemmConfig] = None
     k_major_copies: bool = False
 
     @property
@@ -112,7 +112,7 @@ BLOCK_WAVES = 8
 SPLIT_COPY_LIMIT = 512 << 20
 
 
-def run_in_blocks(linear: Linear, precision: str, config: gemm.GemmConfig, copy_bytes: int = COPY_BYTES,
+def run_in_blocks(linear: Linear, precision: str, config: gemm_configs.GemmConfig, copy_bytes: int = COPY_BYTES,
                   min_block_tiles: Optional[int] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """x @ W^T + b on the Triton GEMM, in blocks of W's rows (y's columns) where the GEMM copies W: each
     block's copies take at most `copy_bytes`, not W's size again, and are freed before the next block's,
@@ -128,18 +128,18 @@ def run_in_blocks(linear: Linear, precision: str, config: gemm.GemmConfig, copy_
     return y
 
 
-def _block_rows(linear: Linear, precision: str, config: gemm.GemmConfig, copy_bytes: int = COPY_BYTES,
+def _block_rows(linear: Linear, precision: str, config: gemm_configs.GemmConfig, copy_bytes: int = COPY_BYTES,
                 min_block_tiles: Optional[int] = None) -> int:
     """How many of W's rows run_in_blocks gives each launch."""
     m, k = (hint(s) for s in linear.x.shape)
     if min_block_tiles is None:
-        min_block_tiles = BLOCK_WAVES * gemm.sm_count(linear.x.device)
+        min_block_tiles = BLOCK_WAVES * gemm_configs.sm_count(linear.x.device)
     row_tiles = -(-m // config.block_m)
     return max(_rows_within(copy_bytes, precision, linear.weight, k, config.block_n),
                -(-min_block_tiles // row_tiles) * config.block_n)
 
 
-def _copy_past_limit(call: LinearCall, precision: str, config: gemm.GemmConfig) -> Optional[str]:
+def _copy_past_limit(call: LinearCall, precision: str, config: gemm_configs.GemmConfig) -> Optional[str]:
     """Why the call's tf32 split would copy more than SPLIT_COPY_LIMIT at once, or None: x split whole,
     or a block of W's rows. Compared on the call's own sizes: traced with a symbolic batch, the graph
     guards on the comparison, and a batch past the limit compiles (once) a graph on cuBLAS."""
@@ -260,7 +260,7 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
         found += [LinearImplementation(p, config) for p, config in
                   triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
         if not k_major and search == "full" and copies:
-            found.append(LinearImplementation(precision, gemm.gemm_configs(precision, x.dtype)[0], True))
+            found.append(LinearImplementation(precision, gemm_configs.candidates(precision, x.dtype)[0], True))
         found = [impl for impl in found if impl.unlaunchable(call) is None]
     if gemm_choice in ("auto", "cublas") or not found:
         if not traced or cublas_traceable(precision):

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from fusepass.lowering import choice, gemm, op
+from fusepass.lowering import choice, gemm_configs, op
 from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.schema import KernelOptions, Linear
 from tests.lowering.cases import assert_like_eager, make_args
@@ -104,7 +104,7 @@ def test_choice_is_remembered_per_problem(monkeypatch):
     monkeypatch.setattr(op.CHAIN, "_chosen", {})
     args = make_args(12, 16, 8)
     chosen = op.CHAIN.choose(args, traced=False)
-    assert chosen == Implementation("tf32x3", gemm.gemm_configs("tf32x3", torch.float32)[0])
+    assert chosen == Implementation("tf32x3", gemm_configs.candidates("tf32x3", torch.float32)[0])
     assert list(op.CHAIN._chosen) == [(choice.problem(args, False), False)]
     assert op.CHAIN.choose(make_args(10, 16, 8), traced=False) is chosen  # the same bucket
     op.CHAIN.choose(dataclasses.replace(args, kernel=KernelOptions(gemm="cublas")), traced=False)

@@ -6,8 +6,11 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.source import LocalSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from fusepass.lowering import gemm, limits
+from fusepass.lowering import gemm, gemm_configs, limits
 from fusepass.lowering.implementations import Implementation, on_cublas, on_triton_gemm
 from fusepass.lowering.schema import Linear
 from fusepass.lowering.tf32_split import split_tf32
@@ -15,7 +18,7 @@ from tests.chains import assert_no_further_from_float64, requires_cuda
 from tests.lowering.cases import HALF_DTYPES, KERNEL_DEVICE, assert_like_eager, make_args, record_launches
 
 # Small tiles keep the interpreter fast; on a GPU the same tiles exercise masking and several row tiles.
-SMALL = gemm.GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=2)
+SMALL = gemm_configs.GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=2)
 FP32_ACCURATE = ["tf32x3", "split_w", "split_x"]
 
 
@@ -186,3 +189,17 @@ def test_launches_after_the_gemm(monkeypatch, softmax):
         launched.clear()
         on_cublas(args, "tf32x3")
         assert launched == (["partial_stats_kernel"] if training else []) + finalize + [output_kernel]
+
+
+def test_persistent_check_of_a_symbolic_batch_adds_no_guard():
+    """A weight gradient traced with a dynamic batch (K): its K-major copy's alignment is unknown, so the
+    persistent walk is not offered, and the check guards nothing (a guard on the batch would recompile
+    the graph when the batch's alignment changes)."""
+    shape_env = ShapeEnv()
+    batch = shape_env.create_symintnode(shape_env.create_symbol(40, LocalSource("batch")), hint=40)
+    with FakeTensorMode(shape_env=shape_env):
+        g, x = torch.empty(batch, 32), torch.empty(batch, 48)
+        assert "16-byte" in gemm.unlaunchable(g.t(), x.t(), "split_x", PERSISTENT)
+        # the one guard: the split launch's grid bound (limits.column_grid), true of any batch that fits
+        assert [guard.expr for guard in shape_env.guards if "65535" not in str(guard.expr)] == []
+        assert gemm.unlaunchable(g.t(), x.t(), "split_x", SMALL) is None

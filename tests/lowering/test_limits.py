@@ -8,14 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from fusepass.lowering import gemm, limits, linear, op
+from fusepass.lowering import gemm_configs, limits, linear, op
 from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.reference import reference
 from fusepass.lowering.schema import ChainOutputs, Linear, Scale
 from tests.chains import requires_cuda
 from tests.lowering.cases import KERNEL_DEVICE, assert_like_eager, make_args
 
-SMALL = gemm.GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=2)
+SMALL = gemm_configs.GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=2)
 
 
 def test_grid_second_dimension():
@@ -126,8 +126,8 @@ def test_cpu_scalars_in_a_cuda_chain_are_fused_on_the_device():
 def test_opaque_op_with_a_tma_choice_takes_a_misaligned_call(monkeypatch):
     """The op chooses for the first call (TMA, aligned operands) and meets the same shape again with x
     starting 4 bytes into its storage: that call runs the unfused math instead of failing."""
-    first = gemm.gemm_configs("tf32x3", torch.float32)[0]
-    monkeypatch.setattr(gemm, "gemm_configs", lambda precision, dtype: [first.with_tma(), first])
+    first = gemm_configs.candidates("tf32x3", torch.float32)[0]
+    monkeypatch.setattr(gemm_configs, "candidates", lambda precision, dtype: [first.with_tma(), first])
     monkeypatch.setattr(op.CHAIN, "_chosen", {})
     counters["fusepass"].clear()
     args = make_args(64, 32, 48, device="cuda", save_linear_out=True)
@@ -165,7 +165,7 @@ def test_kernels_address_tensors_past_2_31_elements_on_cuda():
     expected_y = F.linear(lin.x[last], lin.weight, lin.bias).float()
     var, mean = torch.var_mean(F.linear(lin.x, lin.weight, lin.bias).float() * args.scale_before.factor(), dim=0,
                                correction=0)
-    configs = gemm.gemm_configs("native", torch.bfloat16)
+    configs = gemm_configs.candidates("native", torch.bfloat16)
     for config in (configs[0], next(c for c in configs if c.persistent)):
         out = Implementation("native", config)(args)
         torch.testing.assert_close(out.linear_out[last].float(), expected_y, rtol=1e-2, atol=1e-2)

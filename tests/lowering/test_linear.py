@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusepass.lowering import gemm, linear
+from fusepass.lowering import gemm, gemm_configs, linear
 from fusepass.lowering.schema import KernelOptions
 from fusepass.numerics import rel_error
 from tests.chains import assert_no_further_from_float64, requires_cuda
 from tests.lowering.cases import HALF_DTYPES, KERNEL_DEVICE
 
-SMALL = gemm.GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=2)
+SMALL = gemm_configs.GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=2)
 
 
 def _operands(layout: str, m: int, k: int, n: int, seed: int):
@@ -103,7 +103,7 @@ def test_a_split_copy_past_the_limit_leaves_the_call_to_cublas(layout, precision
     assert "copies would take" in impl.unlaunchable(call)
     offered = lambda: {c.precision for c in linear.candidates(call, linear.problem(call, False), False).values()}  # noqa: E731
     monkeypatch.setattr(linear, "SPLIT_COPY_LIMIT", 1 << 40)
-    assert offered() & set(gemm.PRE_SPLIT)
+    assert offered() & set(gemm_configs.PRE_SPLIT)
     monkeypatch.setattr(linear, "SPLIT_COPY_LIMIT", 0)
     assert offered() == {"tf32x3"}  # cuBLAS at the call's precision (and 3xTF32 split in registers)
 
@@ -113,10 +113,10 @@ def test_a_split_copy_past_the_limit_leaves_the_call_to_cublas(layout, precision
 def test_the_seed_problems_weight_gradients_split_within_the_limit(batch, features, within, monkeypatch):
     """On an H100's 132 SMs the seed problems' weight gradients (the largest: 16384 rows of 4096 features,
     512 MiB) keep their pre-split GEMM; a batch past it, or a large one, does not."""
-    monkeypatch.setattr(gemm, "sm_count", lambda device: 132)
+    monkeypatch.setattr(gemm_configs, "sm_count", lambda device: 132)
     g, x = torch.empty(batch, features, device="meta"), torch.empty(batch, features, device="meta")
     call = linear.LinearCall(g.t(), x.t(), None, "tf32x3", "auto")
-    config = gemm.gemm_configs("split_w", torch.float32)[0]
+    config = gemm_configs.candidates("split_w", torch.float32)[0]
     assert (linear._copy_past_limit(call, "split_w", config) is None) == within
 
 
@@ -159,15 +159,15 @@ def test_forbidding_operand_copies_is_a_problem_of_its_own():
 
 
 def test_short_search_times_fewer_configs_and_small_tiles_only_where_sms_idle():
-    configs = gemm.gemm_configs("native", torch.bfloat16)
+    configs = gemm_configs.candidates("native", torch.bfloat16)
     cuda = torch.device("cuda")
-    many_tiles = gemm.shortlist(configs, 8192, 8192, torch.device("cpu"))
+    many_tiles = gemm_configs.shortlist(configs, 8192, 8192, torch.device("cpu"))
     persistent = dataclasses.replace(configs[0], persistent=True)
     assert many_tiles == [configs[0], persistent, configs[0].with_tma()]  # the first's tiles, every way
-    split = gemm.gemm_configs("split_x", torch.float32)  # one tile shape at two pipeline depths: all kept
-    assert gemm.shortlist(split, 8192, 8192, torch.device("cpu")) == split
+    split = gemm_configs.candidates("split_x", torch.float32)  # one tile shape at two pipeline depths: all kept
+    assert gemm_configs.shortlist(split, 8192, 8192, torch.device("cpu")) == split
     if torch.cuda.is_available():
-        few_tiles = gemm.shortlist(configs, 128, 512, cuda)
+        few_tiles = gemm_configs.shortlist(configs, 128, 512, cuda)
         assert few_tiles[:3] == many_tiles and few_tiles[3].block_m == 64 and len(few_tiles) == 4
 
 
@@ -224,7 +224,7 @@ def test_weight_gradient_copies_stay_within_the_bound_on_cuda():
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    grad_weight = linear.LinearImplementation("split_w", gemm.gemm_configs("split_w", torch.float32)[0])(call)
+    grad_weight = linear.LinearImplementation("split_w", gemm_configs.candidates("split_w", torch.float32)[0])(call)
     torch.cuda.synchronize()
     beyond_output = torch.cuda.max_memory_allocated() - before - grad_weight.numel() * 4
     assert beyond_output <= 24 << 20
