@@ -36,7 +36,8 @@ def candidates(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
     """Candidate tile shapes, from one place, best first (measured on an H200 with tools/tune_gemm.py;
     the first is the default when tuning is off). Three-pass fp32 keeps a second accumulator and the
     split halves in registers, so it gets 128 x 128 tiles; small 64-row tiles are for small problems.
-    The first config is also offered with TMA loads (used only where limits.tma_layout allows).
+    The first config is also offered persistent and with host-made TMA descriptors (each only where
+    gemm.unlaunchable allows: TMA's layout).
     3xTF32 split in registers lost its 64 x 64 x 64 config when MoCo v3's test, judged step by step,
     failed with it: a criterion eager fails against itself there (tests/test_real_models.py), not a
     drift of those tiles (as exact alone as 128 x 128); it has not been measured back in."""

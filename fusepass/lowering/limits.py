@@ -55,7 +55,7 @@ def tma_layout(*tensors: Tensor, device: Optional[torch.device] = None) -> Optio
     """What TMA descriptors need of their tensors, made on the host or inside a kernel: Hopper (`device`'s,
     else the first tensor's), a contiguous last dimension, a 16-byte aligned row stride and start offset,
     and the address where it is known (traced, it is not yet; Inductor's buffers and the graph inputs it
-    has checked start 16-byte aligned; a meta tensor stands for a buffer the launch allocates)."""
+    has checked start 16-byte aligned)."""
     device = device or tensors[0].device
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
         return "TMA needs Hopper or newer"
@@ -64,7 +64,7 @@ def tma_layout(*tensors: Tensor, device: Optional[torch.device] = None) -> Optio
             return f"a TMA operand of strides {t.stride()} has no contiguous last dimension"
         if (t.stride(0) * t.element_size()) % 16 or (t.storage_offset() * t.element_size()) % 16:
             return "a TMA operand's row stride or offset is not 16-byte aligned"
-        if not is_fake(t) and not t.is_meta and t.data_ptr() % 16:
+        if not is_fake(t) and t.data_ptr() % 16:
             return "a TMA operand's address is not 16-byte aligned"
     return None
 
