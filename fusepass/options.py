@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import torch._inductor
@@ -72,7 +72,7 @@ class Options:
         _launch_fused_kernels_statically(patches)
         _key_caches_on_fusepass_source(patches)
         debug_dir = own.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
-        kernel = KernelOptions(**{key: own[key] for key in ("fp32_matmul", "gemm", "operand_copies") if key in own})
+        kernel = KernelOptions(**{f.name: own[f.name] for f in fields(KernelOptions) if f.name in own})
         kernel.validate()
         defaults = {"bare_linear": True, "time_unfused": os.environ.get(TIME_UNFUSED_ENV) == "1"}
         flags = {key: own.get(key, default) for key, default in defaults.items()}
