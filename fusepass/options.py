@@ -40,9 +40,9 @@ FUSEPASS_KEYS = {
                     "first compile",
     "gemm": "the fused ops' GEMM: 'auto' (default; time Triton and cuBLAS per shape, cached on disk), "
             "'triton' or 'cublas'",
-    "operand_copies": "whether an fp32 GEMM may copy an operand to read it faster (split into tf32 halves, or made "
-                      "K-major; the backward's operands grow with the batch): True (default) or False (the "
-                      "training step holds less; its fp32 GEMMs run at about cuBLAS's speed)",
+    "operand_copies": "whether an fp32 GEMM may copy an operand to read it faster (split into tf32 halves, rounded "
+                      "to tf32, or made K-major; the backward's operands grow with the batch): True (default) or "
+                      "False (the training step holds less; its fp32 GEMMs run at about cuBLAS's speed)",
 }
 
 

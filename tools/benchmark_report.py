@@ -788,8 +788,9 @@ def bucket_vs_exact_tables(sources: list[Source]) -> Optional[str]:
 GEMM_KEY = "gemm_alone"
 GEMM_INTRO = (
     f"`{GEMM_TOOL}`: y = x @ W^T alone, no epilogue, against cuBLAS, for M×K→N at the seed chains' shapes and "
-    "the MLP's three layers. bf16: both operands bf16, against cuBLAS bf16; tf32: fp32 operands on TF32 "
-    "tensor cores, against cuBLAS with TF32 allowed; tf32x3: fp32-accurate 3xTF32 (an operand split in "
+    "the MLP's three layers. bf16: both operands bf16, against cuBLAS bf16; tf32: fp32 operands rounded to "
+    "TF32 on tensor cores (an operand rounded in memory, `round_w`/`round_x`, included where that variant is "
+    "fastest), against cuBLAS with TF32 allowed; tf32x3: fp32-accurate 3xTF32 (an operand split in "
     "memory included where that variant is fastest), against cuBLAS's IEEE fp32, eager's fp32. fusepass's "
     "column is its fastest tile config (every candidate of the full search; a `tma` config serves only calls the "
     "op runs opaquely, as traced launches cannot carry host-made TMA descriptors; a `persistent` one makes "

@@ -1,7 +1,8 @@
 """fusepass's Triton GEMM alone (y = x @ W^T, no epilogue) against cuBLAS, per precision, at the seed
 shapes and the MLP's layers: for each, cuBLAS's time and fusepass's best tile config (every candidate the
-full search would time, gemm_configs.candidates; in fp32 also the 3xTF32 variants with an operand split in
-memory, the split included), TFLOP/s and the fraction of the GPU's dense peak. GPU only.
+full search would time, gemm_configs.candidates; in fp32 also the variants with an operand prepared in
+memory, split or rounded, the preparation included), TFLOP/s and the fraction of the GPU's dense peak.
+GPU only.
 
     python tools/gemm_alone.py [--json FILE] [--shapes M,K,N ...] [--precisions bf16 tf32 tf32x3]
 
@@ -37,8 +38,9 @@ PEAKS = {"bf16": 989e12, "tf32": 495e12, "tf32x3": 495e12 / 3}
 
 
 def candidates(precision: str) -> list[tuple[str, gemm_configs.GemmConfig]]:
-    """(kernel precision, config) for every candidate; the fp32 precisions' pre-split variants too."""
-    kernel_precisions = {"bf16": ["native"], "tf32": ["tf32"], "tf32x3": ["tf32x3", "split_w", "split_x"]}
+    """(kernel precision, config) for every candidate; the fp32 precisions' prepared variants too."""
+    kernel_precisions = {"bf16": ["native"], "tf32": ["tf32", "round_w", "round_x"],
+                         "tf32x3": ["tf32x3", "split_w", "split_x"]}
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     return [(p, c) for p in kernel_precisions[precision] for c in gemm_configs.candidates(p, dtype)]
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from fusepass.lowering import gemm_configs, tuning
+from fusepass.lowering.gemm_precisions import prepared_variant
 from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.launch import hint
 from fusepass.lowering.schema import FLAT_NAMES, ChainArgs, flatten, unflatten
@@ -58,12 +59,6 @@ def triton_configs(precisions: list[str], dtype: torch.dtype, m: int, n: int, de
     return chosen
 
 
-def pre_split_precision(x_elements: int, weight_elements: int) -> str:
-    """3xTF32 with the smaller operand split into tf32 hi + lo in memory, once per call (splitting the
-    other, larger one cost up to 13% of the GEMM: 0.20 ms for W at 1024 x 8192 -> 8192 on an H200)."""
-    return "split_x" if x_elements < weight_elements else "split_w"
-
-
 def cublas_traceable(precision: str) -> bool:
     """A traced F.linear becomes Inductor's matmul, which follows torch's global TF32 flag when it runs:
     right only where that flag already gives the precision asked for."""
@@ -102,11 +97,12 @@ def _gemm_choice(args: ChainArgs) -> str:
 
 def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[str, Implementation]:
     """Every way to run the op for this problem that the tuner's search times (tuning.search: the short
-    search takes each precision's gemm_configs.shortlist), by name, the default first; only those that can launch
-    for this call (Implementation.unlaunchable). 3xTF32 also with the smaller operand split in memory,
-    unless the options forbid operand copies. Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever the
-    gemm option says. TMA tile configs are offered where the call is not traced. `traced`: only those
-    that can run inside Inductor's graph (may be none; see cublas_traceable)."""
+    search takes each precision's gemm_configs.shortlist), by name, the default first; only those that
+    can launch for this call (Implementation.unlaunchable). TF32 and 3xTF32 also with the smaller
+    operand prepared in memory (gemm_precisions.py), unless the options forbid operand copies. Plain
+    fp32 FMA ("ieee") is cuBLAS's alone, whatever the gemm option says. TMA tile configs are offered
+    where the call is not traced. `traced`: only those that can run inside Inductor's graph (may be
+    none; see cublas_traceable)."""
     x = args.linear.x
     (rows,), in_features, out_features = problem.sizes, hint(x.shape[1]), hint(args.n_features)
     precision = matmul_precision(x.dtype, args.kernel.fp32_matmul)
@@ -114,8 +110,11 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
     found = {}
     if choice in ("auto", "triton") and precision != "ieee":
         precisions = [precision]
-        if precision == "tf32x3" and args.kernel.operand_copies:
-            precisions.append(pre_split_precision(rows * in_features, out_features * in_features))
+        weight = args.linear.compute_weight_like()
+        variant = prepared_variant(precision, rows * in_features, out_features * in_features,
+                                   weight_k_major=weight.stride(1) == 1)
+        if variant and args.kernel.operand_copies:
+            precisions.append(variant)
         # Traced, no TMA configs: torch does not capture TMA descriptors when it traces a wrap_triton
         # launch outside Dynamo ("not yet supported", torch 2.13's triton_kernel_wrap.py), and the
         # operands' addresses (so their alignment) are not known yet.

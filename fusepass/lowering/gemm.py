@@ -12,8 +12,10 @@ split: fp32-accurate on tensor cores), SPLIT_W (the same three passes with W spl
 once, in memory, so the main loop splits only the x tile) and SPLIT_X (x split in memory instead, for
 problems whose x is much smaller than W; the main loop splits the W tile, which it makes the dot's
 first operand, so that the split halves feed the tensor cores from registers, and accumulates y's tile
-transposed). Plain fp32 FMA is left to cuBLAS: a Triton FMA GEMM measured 2.7x eager's error in a
-gradient. bf16/fp16 inputs use the NATIVE dot, fp32 accumulation.
+transposed); ROUND_W and ROUND_X are TF32 with W or x rounded to tf32 once in memory, the other tile
+rounded in registers as the dot's first operand (why: gemm_precisions.py). Plain fp32 FMA is left to
+cuBLAS: a Triton FMA GEMM measured 2.7x eager's error in a gradient. bf16/fp16 inputs use the NATIVE
+dot, fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusepass.lowering import limits, pointwise
-from fusepass.lowering.gemm_configs import PRE_SPLIT, GemmConfig, sm_count
+from fusepass.lowering.gemm_configs import GemmConfig, sm_count
+from fusepass.lowering.gemm_precisions import prepared
 from fusepass.lowering.gemm_epilogue import EPILOGUE_LINEAR, EPILOGUE_NORMALIZE, EPILOGUE_STATISTICS, tile_epilogue
 from fusepass.lowering.launch import launch, present_or_placeholder, tracing, unused_pointer
 from fusepass.lowering.normalize import Partials
 from fusepass.lowering.schema import BatchNorm, Linear, Scale, Tail
-from fusepass.lowering.tf32_split import split_tf32, tf32_split
+from fusepass.lowering.tf32_split import round_tf32, split_tf32, tf32_split
 from fusepass.lowering.tiles import grouped_tile, tile_offsets
 
 # GEMM precisions (PRECISION).
@@ -43,7 +46,10 @@ TF32 = tl.constexpr(1)
 TF32X3 = tl.constexpr(2)
 SPLIT_W = tl.constexpr(3)
 SPLIT_X = tl.constexpr(4)
-PRECISIONS = {"native": NATIVE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W, "split_x": SPLIT_X}
+ROUND_W = tl.constexpr(5)
+ROUND_X = tl.constexpr(6)
+PRECISIONS = {"native": NATIVE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W, "split_x": SPLIT_X,
+              "round_w": ROUND_W, "round_x": ROUND_X}
 
 
 class GemmMeta(NamedTuple):
@@ -76,23 +82,23 @@ def k_may_end_partial(k, block_k: int) -> bool:
 
 def unlaunchable(x: Tensor, weight: Tensor, precision: str, config: GemmConfig) -> Optional[str]:
     """Why run_gemm cannot run x @ weight^T in this precision and config (limits.py), or None."""
-    split = precision in PRE_SPLIT
     return limits.first(
-        limits.column_grid(x.shape[1]) if split else None,
+        limits.column_grid(x.shape[1]) if prepared(precision) else None,
         limits.tma_layout(x, weight) if config.tma else None,
         _persistent_unlaunchable(x, weight, precision) if config.persistent else None,
     )
 
 
 def _persistent_unlaunchable(x: Tensor, weight: Tensor, precision: str) -> Optional[str]:
-    """TMA's needs, of the operands as the kernel reads them: one split in memory comes from split buffers,
-    aligned whatever its size; a weight given a K-major copy is contiguous, its rows K long. Checked
+    """TMA's needs, of the operands as the kernel reads them: one prepared in memory comes from split
+    buffers, aligned whatever its size; a weight given a K-major copy is contiguous, its rows K long. Checked
     without guarding a traced graph on K (a weight gradient's K is the batch): where K's alignment is not
     known, the walk is not offered."""
     copied = needs_k_major_copy(weight, precision)
     if copied and not statically_known_true(weight.shape[1] * weight.element_size() % 16 == 0):
         return "the K-major copy's rows would not be 16-byte aligned"
-    as_given = ((x, precision == "split_x"), (weight, precision == "split_w" or copied))
+    how = prepared(precision)
+    as_given = ((x, how is not None and how.of_x), (weight, (how is not None and not how.of_x) or copied))
     return limits.tma_layout(*(t for t, replaced in as_given if not replaced), device=x.device)
 
 
@@ -102,7 +108,8 @@ def _persistent_unlaunchable(x: Tensor, weight: Tensor, precision: str) -> Optio
 @triton.jit
 def _dot(a, b, lo, acc, PRECISION: tl.constexpr):
     """acc + a @ b in the requested precision. lo: the low tf32 half of the operand split in memory
-    (SPLIT_W: of b; SPLIT_X: of a, whose high half is a). SPLIT_X accumulates (a @ b)^T."""
+    (SPLIT_W: of b; SPLIT_X: of a, whose high half is a). ROUND_W: b is rounded already, ROUND_X: a.
+    SPLIT_X and ROUND_X accumulate (a @ b)^T (_transposed)."""
     if PRECISION == TF32:
         # Tensor cores truncate fp32 operands to tf32; rounding them to nearest first, as cuBLAS does,
         # avoids a bias that grows with K (measured on an H200: 2.5x cuBLAS tf32's error in a gradient).
@@ -119,6 +126,12 @@ def _dot(a, b, lo, acc, PRECISION: tl.constexpr):
         # registers; the halves read from memory stay in shared memory.
         b_hi, b_lo = tf32_split(tl.trans(b))
         acc = _three_pass_dot(b_hi, b_lo, tl.trans(a), tl.trans(lo), acc)
+    elif PRECISION == ROUND_W:
+        a_hi, _ = tf32_split(a)
+        acc = tl.dot(a_hi, b, acc, input_precision="tf32")
+    elif PRECISION == ROUND_X:
+        b_hi, _ = tf32_split(tl.trans(b))
+        acc = tl.dot(b_hi, tl.trans(a), acc, input_precision="tf32")
     else:
         acc = tl.dot(a, b, acc)
     return acc
@@ -261,7 +274,7 @@ def _tile_product(x_ptr, w_ptr, lo_ptr, M, N, K, stride_xm, stride_xk, stride_wn
         if K_TAIL:
             if k_whole < K:
                 acc = _k_block(x_ptrs, w_ptrs, lo_ptrs, ks, K - k_whole, acc, PRECISION, True)
-        if PRECISION == SPLIT_X:
+        if _transposed(PRECISION):
             acc = tl.trans(acc)
     return acc
 
@@ -281,14 +294,21 @@ def _descriptor_tile_product(x_desc, w_desc, lo_desc, K, pid_m, pid_n, PRECISION
         if PRECISION == SPLIT_X:
             lo = lo_desc.load([pid_m * BLOCK_M, k0])
         acc = _dot(a, b, lo, acc, PRECISION)
-    if PRECISION == SPLIT_X:
+    if _transposed(PRECISION):
         acc = tl.trans(acc)
     return acc
 
 
+@triton.constexpr_function
+def _transposed(precision):
+    """Whether _dot accumulates y's tile transposed: a compile-time answer, which `if` needs to compile one
+    branch only (the two accumulators' shapes differ)."""
+    return precision in (SPLIT_X.value, ROUND_X.value)
+
+
 @triton.jit
 def _fresh_accumulator(PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    if PRECISION == SPLIT_X:
+    if _transposed(PRECISION):
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y's tile transposed (see _dot)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -334,8 +354,20 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
 def needs_k_major_copy(weight: Tensor, precision: str) -> bool:
     """An (in, out) weight seen as (out, in) (a matmul head's W.t(), a backward's x.t()): TF32 tensor
     cores read their second operand K-major only, so the GEMM gives them a K-major copy (the tuner
-    times it). A split W is K-major already."""
-    return weight.dtype == torch.float32 and precision != "split_w" and weight.stride(1) != 1
+    times it). A W prepared in memory is K-major already."""
+    how = prepared(precision)
+    return weight.dtype == torch.float32 and (how is None or how.of_x) and weight.stride(1) != 1
+
+
+def _prepare_operands(x: Tensor, weight: Tensor, precision: str) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(x, weight, lo) as the kernel reads them: the operand the precision prepares in memory replaced by
+    its tf32 hi, and lo its low half where split (else None), in buffers k columns wide or a little more."""
+    how = prepared(precision)
+    if how is None:
+        return x, weight, None
+    operand = x if how.of_x else weight
+    hi, lo = split_tf32(operand) if how.parts == 2 else (round_tf32(operand), None)
+    return (hi, weight, lo) if how.of_x else (x, hi, lo)
 
 
 def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: GemmConfig,
@@ -346,11 +378,7 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
     m, k = x.shape
     n = weight.shape[0]
     device = x.device
-    lo = None  # the low tf32 half of the operand split in memory, in a buffer k columns wide or a little more
-    if precision == "split_w":
-        weight, lo = split_tf32(weight)
-    elif precision == "split_x":
-        x, lo = split_tf32(x)
+    x, weight, lo = _prepare_operands(x, weight, precision)
     # The operands' shapes from here on are (m, k) and (n, k), whatever their buffers' widths.
     if needs_k_major_copy(weight, precision):
         weight = weight.contiguous()

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fusepass.lowering import gemm, gemm_configs, limits, tuning
-from fusepass.lowering.choice import (cublas_traceable, gemm_option, matmul_precision, pre_split_precision,
-                                      triton_configs)
+from fusepass.lowering.choice import cublas_traceable, gemm_option, matmul_precision, triton_configs
+from fusepass.lowering.gemm_precisions import prepared, prepared_variant
 from fusepass.lowering.implementations import cublas_precision
 from fusepass.lowering.launch import hint
 from fusepass.lowering.schema import FLOAT16_DTYPES, KernelOptions, Linear
@@ -140,17 +140,19 @@ def _block_rows(linear: Linear, precision: str, config: gemm_configs.GemmConfig,
 
 
 def _copy_past_limit(call: LinearCall, precision: str, config: gemm_configs.GemmConfig) -> Optional[str]:
-    """Why the call's tf32 split would copy more than SPLIT_COPY_LIMIT at once, or None: x split whole,
-    or a block of W's rows. Compared on the call's own sizes: traced with a symbolic batch, the graph
-    guards on the comparison, and a batch past the limit compiles (once) a graph on cuBLAS."""
+    """Why the call's operand prepared in memory (gemm_precisions.py) would copy more than SPLIT_COPY_LIMIT
+    at once, or None: x whole, or a block of W's rows. Compared on the call's own sizes: traced with a
+    symbolic batch, the graph guards on the comparison, and a batch past the limit compiles (once) a graph
+    on cuBLAS."""
     x, weight = call.x, call.weight
-    if precision == "split_x":
-        split_rows = x.shape[0]
-    elif precision == "split_w":
-        split_rows = min(weight.shape[0], _block_rows(Linear(x, weight, None), precision, config))
-    else:
+    how = prepared(precision)
+    if how is None:
         return None
-    copy_bytes = 2 * split_rows * split_row_stride(x.shape[1]) * x.element_size()
+    if how.of_x:
+        split_rows = x.shape[0]
+    else:
+        split_rows = min(weight.shape[0], _block_rows(Linear(x, weight, None), precision, config))
+    copy_bytes = how.parts * split_rows * split_row_stride(x.shape[1]) * x.element_size()
     if copy_bytes > SPLIT_COPY_LIMIT:
         return f"its {precision} copies would take {hint(copy_bytes) >> 20} MiB, past {SPLIT_COPY_LIMIT >> 20} MiB"
     return None
@@ -158,7 +160,8 @@ def _copy_past_limit(call: LinearCall, precision: str, config: gemm_configs.Gemm
 
 def _rows_within(copy_bytes: int, precision: str, weight: Tensor, k: int, block_n: int) -> int:
     """The most of W's rows, in whole column tiles (at least one), whose copies fit in copy_bytes."""
-    copies = 2 if precision == "split_w" else int(gemm.needs_k_major_copy(weight, precision))
+    how = prepared(precision)
+    copies = how.parts if how and not how.of_x else int(gemm.needs_k_major_copy(weight, precision))
     if copies == 0:
         return weight.shape[0]
     tile_bytes = copies * block_n * max(k, 1) * weight.element_size()
@@ -235,15 +238,16 @@ def _gemm_sizes(call: LinearCall, problem: Optional[Problem] = None) -> tuple[in
 
 def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, LinearImplementation]:
     """Every way to run this linear that the tuner's search times (tuning.search), the default first: the
-    Triton GEMM in the call's precision (in fp32 3xTF32 also with the smaller operand split in memory),
-    where it can launch for these operands (limits.py), and cuBLAS at the same precision where it can
-    run traced. Never empty untraced: cuBLAS always runs.
+    Triton GEMM in the call's precision (in TF32 and 3xTF32 also with the smaller operand prepared in
+    memory, gemm_precisions.py), where it can launch for these operands (limits.py), and cuBLAS at the
+    same precision where it can run traced. Never empty untraced: cuBLAS always runs.
 
-    Operands whose K is not contiguous (a backward's transposed views) start with the pre-split 3xTF32,
-    which reads the split operand K-major from memory: 88-102 TFLOP/s on an H100 where 3xTF32 split in
-    registers made 39 (tools/tune_linear.py at 1024 x 8192 -> 8192 and 16384 x 4096 -> 4096). The full
-    search also times that, and the GEMM on K-major copies of the operands. With operand copies
-    forbidden (kernel_operand_copies=False), neither: 3xTF32 split in registers, and cuBLAS."""
+    Operands whose K is not contiguous (a backward's transposed views) start with the prepared variant,
+    which reads that operand K-major from memory: pre-split 3xTF32 made 88-102 TFLOP/s on an H100 where
+    3xTF32 split in registers made 39 (tools/tune_linear.py at 1024 x 8192 -> 8192 and 16384 x 4096 ->
+    4096). The full search also times the precision itself, and the GEMM on K-major copies of the
+    operands. With operand copies forbidden (kernel_operand_copies=False), neither: the precision itself
+    (on strided loads), and cuBLAS."""
     x, weight = call.x, call.weight
     m, k, n = _gemm_sizes(call, problem)
     precision = _precision(call)
@@ -254,9 +258,9 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
         k_major = _k_major(x) and _k_major(weight)
         copies = call.kernel_operand_copies
         precisions = [precision]
-        if precision == "tf32x3" and copies:
-            pre_split = pre_split_precision(m * k, n * k)
-            precisions = [precision, pre_split] if k_major else [pre_split] + ([precision] if search == "full" else [])
+        variant = prepared_variant(precision, m * k, n * k, weight_k_major=_k_major(weight))
+        if variant and copies:
+            precisions = [precision, variant] if k_major else [variant] + ([precision] if search == "full" else [])
         found += [LinearImplementation(p, config) for p, config in
                   triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
         if not k_major and search == "full" and copies:

@@ -1,8 +1,11 @@
 """Splitting fp32 into tf32 halves, t == hi + lo exactly with hi representable in tf32: the 3xTF32 GEMM's
 three products (gemm.py) take the halves of a tile in registers (`tf32_split`), or of a whole operand
-split once in memory (`split_tf32`, the pre-split precisions)."""
+split once in memory (`split_tf32`, the pre-split precisions); the TF32 GEMM takes hi alone, of a tile or
+of an operand rounded once in memory (`round_tf32`; gemm_precisions.py)."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -33,17 +36,19 @@ def _tf32_split_kernel(
     src_ptr, hi_ptr, lo_ptr,  # pointers: src any layout; hi and lo row-major
     rows, cols,  # sizes
     stride_src_row, stride_src_col, stride_out_row,  # strides
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,  # meta-parameters
+    STORE_LO: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,  # meta-parameters
 ):
-    """Splits a 2-D tensor of any strides into row-major hi + lo in one pass: a transposed operand is
-    made K-major here, in the same read and write as the split, not by a copy before it."""
+    """Splits a 2-D tensor of any strides into row-major hi + lo (STORE_LO; else hi alone) in one pass: a
+    transposed operand is made K-major here, in the same read and write as the split, not by a copy
+    before it."""
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = (r < rows)[:, None] & (c < cols)[None, :]
     hi, lo = tf32_split(tl.load(src_ptr + tile_offsets(r, c, stride_src_row, stride_src_col), mask=mask, other=0.0))
     out_offsets = tile_offsets(r, c, stride_out_row, 1)
     tl.store(hi_ptr + out_offsets, hi, mask=mask)
-    tl.store(lo_ptr + out_offsets, lo, mask=mask)
+    if STORE_LO:
+        tl.store(lo_ptr + out_offsets, lo, mask=mask)
 
 
 def split_tf32(t: Tensor) -> tuple[Tensor, Tensor]:
@@ -54,12 +59,26 @@ def split_tf32(t: Tensor) -> tuple[Tensor, Tensor]:
     reading it compiles once and loads it vectorized. The buffers are returned whole, not as views of
     t's width: a view's contiguity check on a symbolic batch would guard on batch % 16 and recompile
     the graph when it changes (seen on an H100)."""
+    hi = _split_buffer(t)
+    lo = _split_buffer(t)
+    _launch_split(t, hi, lo)
+    return hi, lo
+
+
+def round_tf32(t: Tensor) -> Tensor:
+    """t rounded to tf32 (split_tf32's hi alone), in a buffer laid out as split_tf32's."""
+    hi = _split_buffer(t)
+    _launch_split(t, hi, None)
+    return hi
+
+
+def _split_buffer(t: Tensor) -> Tensor:
+    return torch.empty((t.shape[0], split_row_stride(t.shape[1])), device=t.device, dtype=t.dtype)
+
+
+def _launch_split(t: Tensor, hi: Tensor, lo: Optional[Tensor]) -> None:
     rows, cols = t.shape
-    stride = split_row_stride(cols)
-    hi = torch.empty((rows, stride), device=t.device, dtype=t.dtype)
-    lo = torch.empty((rows, stride), device=t.device, dtype=t.dtype)
     block = 64
     grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
-    launch(_tf32_split_kernel)[grid](t, hi, lo, rows, cols, t.stride(0), t.stride(1), stride,
-                                     BLOCK_ROWS=block, BLOCK_COLS=block)
-    return hi, lo
+    launch(_tf32_split_kernel)[grid](t, hi, hi if lo is None else lo, rows, cols, t.stride(0), t.stride(1),
+                                     hi.stride(0), STORE_LO=lo is not None, BLOCK_ROWS=block, BLOCK_COLS=block)

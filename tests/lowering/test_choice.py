@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from fusepass.lowering import choice, gemm_configs, op
+from fusepass.lowering import choice, gemm_configs, gemm_precisions, op
 from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.schema import KernelOptions, Linear
 from tests.lowering.cases import assert_like_eager, make_args
@@ -58,13 +58,25 @@ def test_candidates_per_choice():
     assert any(name.startswith("triton") for name in candidates(with_operands(meta, huge, huge)))
 
 
+def test_the_prepared_operand_is_the_smaller_unless_w_is_not_k_major():
+    assert gemm_precisions.prepared_variant("tf32", 10, 20) == "round_x"
+    assert gemm_precisions.prepared_variant("tf32", 20, 10) == "round_w"
+    assert gemm_precisions.prepared_variant("tf32x3", 10, 20) == "split_x"
+    # a W^T would be copied K-major anyway: preparing it makes that copy
+    assert gemm_precisions.prepared_variant("tf32", 10, 20, weight_k_major=False) == "round_w"
+    assert gemm_precisions.prepared_variant("tf32x3", 10, 20, weight_k_major=False) == "split_w"
+    assert gemm_precisions.prepared_variant("native", 10, 20) is None
+
+
 def test_tf32_triton_only_offers_no_cublas():
     args = make_args(8, 16, 4)
     allowed = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = True
         tf32 = candidates(with_operands(args, args.linear.x, args.linear.weight, "triton"))
-        assert tf32 and "cublas" not in tf32 and all(name.startswith("triton tf32 ") for name in tf32)
+        assert tf32 and "cublas" not in tf32
+        # TF32 itself, and with W (here smaller than x: 4 x 16 against 8 x 16) rounded in memory
+        assert {name.split()[1] for name in tf32} == {"tf32", "round_w"}
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allowed
 

@@ -7,7 +7,9 @@ installed triton only: run this file with triton 3.6 on the path to check the GP
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +34,8 @@ TAIL = pointwise.tail_program("mul(v0,t0);sub(v1,t1);add(v2,3.0);leaky_relu(v3|0
 NO_TAIL = pointwise.tail_program("", (None, None, None, None))
 
 
-def _compile(kernel, constexprs: dict, pointer_type: str = "*fp32") -> None:
+def _compile(kernel, constexprs: dict, pointer_type: str = "*fp32") -> str:
+    """The kernel's PTX, compiled down to a cubin."""
     signature = {}
     for param in kernel.params:
         name = param.name
@@ -44,6 +47,12 @@ def _compile(kernel, constexprs: dict, pointer_type: str = "*fp32") -> None:
             signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
     compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER)
     assert compiled.asm["cubin"]
+    return compiled.asm["ptx"]
+
+
+def wgmma_waits(ptx: str) -> list[int]:
+    """The levels the kernel waits for its wgmmas at: 0 waits for all; above 0 leaves some in flight."""
+    return sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)})
 
 
 def _output_meta(source, tail) -> dict:
@@ -53,10 +62,11 @@ def _output_meta(source, tail) -> dict:
 
 
 def _gemm_meta(precision: str, epilogue, tail, persistent: bool = False, eval_stats: bool = False) -> dict:
+    """Tiles that are not square: a branch between y's tile and its transpose must resolve when compiled."""
     return dict(META=tuple(gemm.GemmMeta(
         precision=gemm.PRECISIONS[precision].value, epilogue=epilogue.value, store_y=True,
         eval_stats=eval_stats or epilogue == gemm.EPILOGUE_NORMALIZE, has_bias=True, scale_mode=SCALE_NUMBER.value,
-        has_gamma=True, has_beta=False, block_m=64, block_n=64, block_k=32, group_m=8, use_tma=False,
+        has_gamma=True, has_beta=False, block_m=128, block_n=64, block_k=32, group_m=8, use_tma=False,
         persistent=persistent, k_tail=not persistent)), TAIL=tail)
 
 
@@ -74,10 +84,14 @@ def cases() -> dict:
                                      dict(SCALE_MODE=SCALE_SINGLE.value, BLOCK_R=32, BLOCK_C=64), "*fp32")
     found["finalize_stats_kernel"] = (normalize_kernels.finalize_stats_kernel,
                                       dict(STATS_SOURCE=STATS_MERGE.value, UPDATE_RUNNING=True, BLOCK_C=64), "*fp32")
-    found["tf32_split_kernel"] = (tf32_split._tf32_split_kernel, dict(BLOCK_ROWS=64, BLOCK_COLS=64), "*fp32")
+    for store_lo in (True, False):
+        found[f"tf32_split_kernel[{store_lo}]"] = (tf32_split._tf32_split_kernel,
+                                                   dict(STORE_LO=store_lo, BLOCK_ROWS=64, BLOCK_COLS=64), "*fp32")
     for precision, epilogue, tail, pointer_type in (("tf32x3", gemm.EPILOGUE_STATISTICS, NO_TAIL, "*fp32"),
                                                     ("split_x", gemm.EPILOGUE_LINEAR, NO_TAIL, "*fp32"),
                                                     ("split_w", gemm.EPILOGUE_NORMALIZE, TAIL, "*fp32"),
+                                                    ("round_x", gemm.EPILOGUE_STATISTICS, NO_TAIL, "*fp32"),
+                                                    ("round_w", gemm.EPILOGUE_LINEAR, NO_TAIL, "*fp32"),
                                                     ("native", gemm.EPILOGUE_NORMALIZE, TAIL, "*bf16")):
         found[f"gemm_kernel[{precision}]"] = (gemm._gemm_kernel, _gemm_meta(precision, epilogue, tail), pointer_type)
     # The persistent walk through each epilogue: training's statistics, eval's normalization, and eval's
@@ -87,7 +101,7 @@ def cases() -> dict:
         found[f"gemm_kernel[native-persistent-{epilogue.value}]"] = (
             gemm._gemm_kernel, _gemm_meta("native", epilogue, tail, True, eval_stats), "*bf16")
     # ... and in each fp32 precision
-    for precision in ("tf32", "tf32x3", "split_w", "split_x"):
+    for precision in ("tf32", "tf32x3", "split_w", "split_x", "round_w", "round_x"):
         found[f"gemm_kernel[{precision}-persistent]"] = (
             gemm._gemm_kernel, _gemm_meta(precision, gemm.EPILOGUE_STATISTICS, NO_TAIL, True), "*fp32")
     return found
@@ -98,12 +112,16 @@ def test_every_kernel_compiles_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
                           cwd=Path(__file__).resolve().parents[2])
-    compiled = [line for line in done.stdout.splitlines() if line.startswith("compiled ")]
+    compiled = [line.split() for line in done.stdout.splitlines() if line.startswith("compiled ")]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert len(compiled) == len(cases()), done.stdout
+    # TF32 with an operand rounded in memory exists to keep wgmmas in flight across K blocks
+    # (gemm_precisions.py): its main loop must wait at a level above 0.
+    rounded = [(name, waits) for _, name, waits in compiled if "round_" in name]
+    assert len(rounded) == 4 and all(max(json.loads(waits)) > 0 for _, waits in rounded), rounded
 
 
 if __name__ == "__main__":
     for name, (kernel, constexprs, pointer_type) in cases().items():
-        _compile(kernel, constexprs, pointer_type)
-        print("compiled", name, flush=True)
+        ptx = _compile(kernel, constexprs, pointer_type)
+        print("compiled", name, str(wgmma_waits(ptx)).replace(" ", ""), flush=True)

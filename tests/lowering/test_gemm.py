@@ -13,13 +13,14 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from fusepass.lowering import gemm, gemm_configs, limits
 from fusepass.lowering.implementations import Implementation, on_cublas, on_triton_gemm
 from fusepass.lowering.schema import Linear
-from fusepass.lowering.tf32_split import split_tf32
+from fusepass.lowering.tf32_split import round_tf32, split_tf32
 from tests.chains import assert_no_further_from_float64, requires_cuda
 from tests.lowering.cases import HALF_DTYPES, KERNEL_DEVICE, assert_like_eager, make_args, record_launches
 
 # Small tiles keep the interpreter fast; on a GPU the same tiles exercise masking and several row tiles.
 SMALL = gemm_configs.GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=2)
 FP32_ACCURATE = ["tf32x3", "split_w", "split_x"]
+TF32_ROUNDED = ["tf32", "round_w", "round_x"]  # both operands rounded to tf32 (in registers or in memory)
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -33,6 +34,37 @@ def test_tf32_split_is_exact_and_hi_fits_tf32(transposed):
     assert torch.equal(hi + lo, t)
     assert (hi.view(torch.int32) & 0x1FFF).eq(0).all()  # 13 low mantissa bits clear: 10 remain
     assert (lo.abs() <= hi.abs() * 2.0**-11).all()  # rounded to nearest: |lo| is at most half a tf32 ulp
+    rounded = round_tf32(t)
+    assert rounded.shape == (t.shape[0], padded) and torch.equal(rounded[:, :t.shape[1]], hi)
+
+
+def to_tf32(t: torch.Tensor) -> torch.Tensor:
+    """t rounded to nearest tf32 (ties away from zero), on the host: the GEMM's rounding, independently."""
+    bits = t.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -8192).view(torch.float32).reshape(t.shape)
+
+
+# Small tiles with odd edges; a K of 7 floats has rows no TMA descriptor takes.
+@pytest.mark.parametrize("m, k, n", [(37, 40, 19), (21, 64, 24), (5, 7, 3)])
+@pytest.mark.parametrize("precision", TF32_ROUNDED)
+@pytest.mark.parametrize("config", ["program per tile", "persistent"])
+@pytest.mark.parametrize("layout", ["row-major", "transposed"])
+def test_tf32_gemm_is_the_product_of_rounded_operands(m, k, n, precision, config, layout):
+    """Each TF32 variant multiplies x and W rounded to nearest tf32 exactly and sums in fp32: within fp32
+    rounding of float64's product of the rounded operands (truncation, or an operand left unrounded,
+    would be ~1e-4 off), whichever operand is rounded in memory and however the operands are laid out."""
+    g = torch.Generator().manual_seed(m * k + n)
+    x, w = (torch.randn(shape, generator=g).to(KERNEL_DEVICE) for shape in ((m, k), (n, k)))
+    if layout == "transposed":  # a backward's dW operands: neither K-major
+        x, w = x.t().contiguous().t(), w.t().contiguous().t()
+    tiles = PERSISTENT if config == "persistent" else SMALL
+    why = gemm.unlaunchable(x, w, precision, tiles)
+    if why:
+        assert config == "persistent" and ("16-byte" in why or "contiguous" in why)
+        return
+    y = gemm.run_gemm(Linear(x, w, None), precision, tiles).y
+    exact = to_tf32(x).double() @ to_tf32(w).double().t()
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 1e-6
 
 
 # K of whole blocks (64) and with a partial last one: the kernel's two K variants (gemm.k_may_end_partial)
@@ -58,8 +90,9 @@ def test_fp32_accurate_gemm_no_further_from_float64_than_cublas(m, k, n, precisi
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("precision, dtype, bound", [("tf32", torch.float32, 2e-3), ("native", torch.bfloat16, 1e-2),
-                                                     ("native", torch.float16, 2e-3)])
+@pytest.mark.parametrize("precision, dtype, bound", [("tf32", torch.float32, 2e-3), ("round_w", torch.float32, 2e-3),
+                                                     ("round_x", torch.float32, 2e-3),
+                                                     ("native", torch.bfloat16, 1e-2), ("native", torch.float16, 2e-3)])
 def test_reduced_precision_gemm_errors(precision, dtype, bound):
     """Same error class as cuBLAS in that precision (measured: tf32 ~5e-4, bf16 ~2.6e-3)."""
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusepass.lowering import gemm, gemm_configs, linear
+from fusepass.lowering import gemm, gemm_configs, gemm_precisions, linear
 from fusepass.lowering.schema import KernelOptions
 from fusepass.numerics import rel_error
 from tests.chains import assert_no_further_from_float64, requires_cuda
@@ -103,7 +103,7 @@ def test_a_split_copy_past_the_limit_leaves_the_call_to_cublas(layout, precision
     assert "copies would take" in impl.unlaunchable(call)
     offered = lambda: {c.precision for c in linear.candidates(call, linear.problem(call, False), False).values()}  # noqa: E731
     monkeypatch.setattr(linear, "SPLIT_COPY_LIMIT", 1 << 40)
-    assert offered() & set(gemm_configs.PRE_SPLIT)
+    assert offered() & set(gemm_precisions.PRE_SPLIT)
     monkeypatch.setattr(linear, "SPLIT_COPY_LIMIT", 0)
     assert offered() == {"tf32x3"}  # cuBLAS at the call's precision (and 3xTF32 split in registers)
 
@@ -166,6 +166,10 @@ def test_short_search_times_fewer_configs_and_small_tiles_only_where_sms_idle():
     assert many_tiles == [configs[0], persistent, configs[0].with_tma()]  # the first's tiles, every way
     split = gemm_configs.candidates("split_x", torch.float32)  # one tile shape at two pipeline depths: all kept
     assert gemm_configs.shortlist(split, 8192, 8192, torch.device("cpu")) == split
+    rounded_w = gemm_configs.candidates("round_w", torch.float32)  # persistent on other tiles: still timed
+    shortlisted = gemm_configs.shortlist(rounded_w, 8192, 8192, torch.device("cpu"))
+    assert [(c.block_m, c.block_n, c.persistent) for c in shortlisted] == [(128, 256, False), (256, 128, True),
+                                                                           (128, 256, False)]
     if torch.cuda.is_available():
         few_tiles = gemm_configs.shortlist(configs, 128, 512, cuda)
         assert few_tiles[:3] == many_tiles and few_tiles[3].block_m == 64 and len(few_tiles) == 4

@@ -1,0 +1,52 @@
+"""The Triton GEMM's fp32 precisions that read one operand prepared once in memory (gemm.py): split into
+tf32 hi + lo for 3xTF32 (split_w, split_x), or rounded to tf32 for TF32 (round_w, round_x).
+
+Why prepare an operand: wgmma reads its second operand from shared memory only. An operand split or
+rounded in registers has to go back to shared memory every K block, and the compiler then waits for
+each wgmma before the next (sm_90 PTX from triton 3.6: `wgmma.wait_group 0` only). Rounded once in
+memory, the operand goes straight from its TMA load to the tensor cores, the other is rounded in
+registers as the first operand, and the wgmmas pipeline (`wait_group 3` in the PTX of a TF32 loop). The
+prepared operand is the smaller of the two: the copy costs a read and a write of it each call (splitting
+W, the larger, cost up to 13% of a 3xTF32 GEMM: 0.20 ms at 1024 x 8192 -> 8192 on an H200)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Which operand a precision prepares in memory, and into how many tf32 parts."""
+    operand: str  # "x" or "weight"
+    parts: int  # 2: hi + lo (3xTF32's three products); 1: hi alone, the operand rounded to tf32
+
+    @property
+    def of_x(self) -> bool:
+        return self.operand == "x"
+
+
+PREPARED = {
+    "split_w": Prepared("weight", 2), "split_x": Prepared("x", 2),
+    "round_w": Prepared("weight", 1), "round_x": Prepared("x", 1),
+}
+PRE_SPLIT = tuple(p for p, how in PREPARED.items() if how.parts == 2)
+
+# Each fp32 precision's variants that prepare x or W: (x's, W's).
+_VARIANTS = {"tf32x3": ("split_x", "split_w"), "tf32": ("round_x", "round_w")}
+
+
+def prepared(precision: str) -> Optional[Prepared]:
+    return PREPARED.get(precision)
+
+
+def prepared_variant(precision: str, x_elements: int, weight_elements: int, weight_k_major: bool = True
+                     ) -> Optional[str]:
+    """The variant of `precision` that prepares an operand in memory, or None if it has none: the smaller
+    operand's, unless W is not K-major (a backward's W^T, a matmul head's): tensor cores would read a
+    K-major copy of it anyway, which its preparation makes in the same pass (H100, dX of 1024 x 8192 ->
+    8192 in TF32: 0.677 ms with W rounded, x rounded and W copied not among the eight fastest)."""
+    if precision not in _VARIANTS:
+        return None
+    of_x, of_weight = _VARIANTS[precision]
+    return of_x if weight_k_major and x_elements < weight_elements else of_weight
