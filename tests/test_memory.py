@@ -142,3 +142,26 @@ def test_a_fused_relu_mlp_step_peaks_with_inductors_under_autocast_on_cuda():
     buffer put fusepass 19% above Inductor at 262144 rows on an H100)."""
     peaks = step_peaks(lambda: MLP(512, [2048, 2048, 256]), torch.randn(32768, 512, device="cuda"), autocast=True)
     assert peaks["fusepass"] < 1.02 * peaks["inductor"] and peaks["fusepass"] < peaks["eager"], peaks
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_a_tf32_backwards_roundings_are_made_in_the_backward_on_cuda():
+    """TF32, tuning off: the chain's forward GEMM rounds in registers (its first candidate), and each
+    backward GEMM rounds its transposed operand in memory (round_w, the first candidate there): x^T for
+    the weight gradient, W^T for the input gradient. Those roundings read only what the forward has; they
+    must stay in the backward beside their GEMMs, not be made in the forward and held until the backward
+    (tf32_split.split_tf32's `after`)."""
+    torch._dynamo.reset()
+    torch.manual_seed(4)
+    model = torch.compile(ChainModel(256, 192).cuda(), backend="fusepass")
+    x = torch.randn(320, 256, device="cuda", requires_grad=True)
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        _, (forward_code, backward_code) = run_fw_bw_and_get_code(lambda: model(x).sum())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    assert_fused(rewrites=1)
+    assert "_tf32_split_kernel" not in forward_code
+    assert "_tf32_split_kernel" in backward_code

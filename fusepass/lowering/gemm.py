@@ -365,8 +365,9 @@ def _prepare_operands(x: Tensor, weight: Tensor, precision: str) -> tuple[Tensor
     how = prepared(precision)
     if how is None:
         return x, weight, None
-    operand = x if how.of_x else weight
-    hi, lo = split_tf32(operand) if how.parts == 2 else (round_tf32(operand), None)
+    # Made after the other operand exists (split_tf32's `after`): in a backward, after the gradient.
+    operand, other = (x, weight) if how.of_x else (weight, x)
+    hi, lo = split_tf32(operand, other) if how.parts == 2 else (round_tf32(operand, other), None)
     return (hi, weight, lo) if how.of_x else (x, hi, lo)
 
 
