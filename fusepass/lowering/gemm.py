@@ -32,7 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusepass.lowering import limits, pointwise
 from fusepass.lowering.gemm_configs import GemmConfig, sm_count
-from fusepass.lowering.gemm_precisions import prepared
+from fusepass.lowering.gemm_precisions import prepared, prepares
 from fusepass.lowering.gemm_epilogue import EPILOGUE_LINEAR, EPILOGUE_NORMALIZE, EPILOGUE_STATISTICS, tile_epilogue
 from fusepass.lowering.launch import launch, present_or_placeholder, tracing, unused_pointer
 from fusepass.lowering.normalize import Partials
@@ -97,8 +97,7 @@ def _persistent_unlaunchable(x: Tensor, weight: Tensor, precision: str) -> Optio
     copied = needs_k_major_copy(weight, precision)
     if copied and not statically_known_true(weight.shape[1] * weight.element_size() % 16 == 0):
         return "the K-major copy's rows would not be 16-byte aligned"
-    how = prepared(precision)
-    as_given = ((x, how is not None and how.of_x), (weight, (how is not None and not how.of_x) or copied))
+    as_given = ((x, prepares(precision, "x")), (weight, prepares(precision, "weight") or copied))
     return limits.tma_layout(*(t for t, replaced in as_given if not replaced), device=x.device)
 
 
@@ -355,8 +354,7 @@ def needs_k_major_copy(weight: Tensor, precision: str) -> bool:
     """An (in, out) weight seen as (out, in) (a matmul head's W.t(), a backward's x.t()): TF32 tensor
     cores read their second operand K-major only, so the GEMM gives them a K-major copy (the tuner
     times it). A W prepared in memory is K-major already."""
-    how = prepared(precision)
-    return weight.dtype == torch.float32 and (how is None or how.of_x) and weight.stride(1) != 1
+    return weight.dtype == torch.float32 and not prepares(precision, "weight") and weight.stride(1) != 1
 
 
 def _prepare_operands(x: Tensor, weight: Tensor, precision: str) -> tuple[Tensor, Tensor, Optional[Tensor]]:
@@ -366,9 +364,10 @@ def _prepare_operands(x: Tensor, weight: Tensor, precision: str) -> tuple[Tensor
     if how is None:
         return x, weight, None
     # Made after the other operand exists (split_tf32's `after`): in a backward, after the gradient.
-    operand, other = (x, weight) if how.of_x else (weight, x)
+    of_x = how.operand == "x"
+    operand, other = (x, weight) if of_x else (weight, x)
     hi, lo = split_tf32(operand, other) if how.parts == 2 else (round_tf32(operand, other), None)
-    return (hi, weight, lo) if how.of_x else (x, hi, lo)
+    return (hi, weight, lo) if of_x else (x, hi, lo)
 
 
 def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: GemmConfig,

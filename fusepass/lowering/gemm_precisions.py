@@ -21,10 +21,6 @@ class Prepared:
     operand: str  # "x" or "weight"
     parts: int  # 2: hi + lo (3xTF32's three products); 1: hi alone, the operand rounded to tf32
 
-    @property
-    def of_x(self) -> bool:
-        return self.operand == "x"
-
 
 PREPARED = {
     "split_w": Prepared("weight", 2), "split_x": Prepared("x", 2),
@@ -38,6 +34,12 @@ _VARIANTS = {"tf32x3": ("split_x", "split_w"), "tf32": ("round_x", "round_w")}
 
 def prepared(precision: str) -> Optional[Prepared]:
     return PREPARED.get(precision)
+
+
+def prepares(precision: str, operand: str) -> bool:
+    """Whether the precision reads `operand` ("x" or "weight") prepared in memory."""
+    how = PREPARED.get(precision)
+    return how is not None and how.operand == operand
 
 
 def prepared_variant(precision: str, x_elements: int, weight_elements: int, weight_k_major: bool = True

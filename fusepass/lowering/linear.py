@@ -24,7 +24,7 @@ from torch import Tensor
 
 from fusepass.lowering import gemm, gemm_configs, limits, tuning
 from fusepass.lowering.choice import cublas_traceable, gemm_option, matmul_precision, triton_configs
-from fusepass.lowering.gemm_precisions import prepared, prepared_variant
+from fusepass.lowering.gemm_precisions import prepared, prepared_variant, prepares
 from fusepass.lowering.implementations import cublas_precision
 from fusepass.lowering.launch import hint
 from fusepass.lowering.schema import FLOAT16_DTYPES, KernelOptions, Linear
@@ -148,7 +148,7 @@ def _copy_past_limit(call: LinearCall, precision: str, config: gemm_configs.Gemm
     how = prepared(precision)
     if how is None:
         return None
-    if how.of_x:
+    if how.operand == "x":
         split_rows = x.shape[0]
     else:
         split_rows = min(weight.shape[0], _block_rows(Linear(x, weight, None), precision, config))
@@ -160,8 +160,10 @@ def _copy_past_limit(call: LinearCall, precision: str, config: gemm_configs.Gemm
 
 def _rows_within(copy_bytes: int, precision: str, weight: Tensor, k: int, block_n: int) -> int:
     """The most of W's rows, in whole column tiles (at least one), whose copies fit in copy_bytes."""
-    how = prepared(precision)
-    copies = how.parts if how and not how.of_x else int(gemm.needs_k_major_copy(weight, precision))
+    if prepares(precision, "weight"):
+        copies = prepared(precision).parts
+    else:
+        copies = int(gemm.needs_k_major_copy(weight, precision))
     if copies == 0:
         return weight.shape[0]
     tile_bytes = copies * block_n * max(k, 1) * weight.element_size()
