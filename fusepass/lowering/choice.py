@@ -110,9 +110,7 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
     found = {}
     if choice in ("auto", "triton") and precision != "ieee":
         precisions = [precision]
-        weight = args.linear.compute_weight_like()
-        variant = prepared_variant(precision, rows * in_features, out_features * in_features,
-                                   weight_k_major=weight.stride(1) == 1)
+        variant = prepared_variant(precision, rows * in_features, out_features * in_features)
         if variant and args.kernel.operand_copies:
             precisions.append(variant)
         # Traced, no TMA configs: torch does not capture TMA descriptors when it traces a wrap_triton

@@ -45,9 +45,11 @@ def prepares(precision: str, operand: str) -> bool:
 def prepared_variant(precision: str, x_elements: int, weight_elements: int, weight_k_major: bool = True
                      ) -> Optional[str]:
     """The variant of `precision` that prepares an operand in memory, or None if it has none: the smaller
-    operand's, unless W is not K-major (a backward's W^T, a matmul head's): tensor cores would read a
-    K-major copy of it anyway, which its preparation makes in the same pass (H100, dX of 1024 x 8192 ->
-    8192 in TF32: 0.677 ms with W rounded, x rounded and W copied not among the eight fastest)."""
+    operand's, unless W is not K-major (a backward's W^T, given weight_k_major=False by the linear op,
+    whose copies of W run in bounded blocks): tensor cores would read a K-major copy of it anyway, which
+    its preparation makes in the same pass (H100, dX of 1024 x 8192 -> 8192 in TF32: 0.677 ms with W
+    rounded, x rounded and W copied not among the eight fastest). The chain op keeps the smaller operand
+    for a matmul head's W^T: it copies W whole, and W split in two would hold twice its size."""
     if precision not in _VARIANTS:
         return None
     of_x, of_weight = _VARIANTS[precision]
