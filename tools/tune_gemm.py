@@ -1,7 +1,9 @@
 """Times fusepass's Triton GEMM (with the statistics epilogue) per precision and tile config against
 cuBLAS, with its error to float64. GPU only.
 Usage: python tools/tune_gemm.py [--json FILE] [--quick] [--shapes N]
-                                [--precisions tf32x3,split_w,split_x,tf32,native]"""
+                                [--precisions tf32x3,split_w,split_x,tf32,round_w,round_x,native]
+
+cuBLAS runs in IEEE fp32 here (TF32 off); the tf32 and round_* rows are TF32 products, not fp32-accurate."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from tabulate import tabulate
 
 from fusepass.lowering import gemm, gemm_configs
 from fusepass.lowering.schema import Linear, Scale
-from fusepass.lowering.tf32_split import split_tf32
+from fusepass.lowering.tf32_split import round_tf32, split_tf32
 from fusepass.numerics import rel_error
 
 # Timed besides the candidates, to see whether the candidate list should change: the one-warpgroup
@@ -43,7 +45,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--quick", action="store_true", help="first two configs only")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="the first this many shapes")
-    parser.add_argument("--precisions", default="tf32x3,split_w,split_x,tf32,native")
+    parser.add_argument("--precisions", default="tf32x3,split_w,split_x,tf32,round_w,round_x,native")
     args = parser.parse_args()
     wanted = args.precisions.split(",")
     rows = []
@@ -54,7 +56,8 @@ def main() -> None:
         b = torch.randn(n, device="cuda", generator=g)
         s = torch.randn(n, device="cuda", generator=g)
         ref = F.linear(x.double(), w.double(), b.double())
-        by_dtype = ((torch.float32, ["tf32x3", "split_w", "split_x", "tf32"]), (torch.bfloat16, ["native"]))
+        by_dtype = ((torch.float32, ["tf32x3", "split_w", "split_x", "tf32", "round_w", "round_x"]),
+                    (torch.bfloat16, ["native"]))
         for dtype, precisions in by_dtype:
             precisions = [p for p in precisions if p in wanted]
             if not precisions:
@@ -76,6 +79,8 @@ def main() -> None:
         for name, operand in (("W", w), ("x", x)):
             split_ms = triton.testing.do_bench(lambda: split_tf32(operand), return_mode="median")
             rows.append(dict(m=m, k=k, n=n, dtype="float32", kernel=f"split {name} into tf32 hi+lo", ms=split_ms))
+            round_ms = triton.testing.do_bench(lambda: round_tf32(operand), return_mode="median")
+            rows.append(dict(m=m, k=k, n=n, dtype="float32", kernel=f"round {name} to tf32", ms=round_ms))
     print(tabulate(rows, headers="keys", floatfmt=".4g"))
     if args.json:
         with open(args.json, "w") as f:
