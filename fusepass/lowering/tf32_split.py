@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.lowering.launch import launch
+from fusepass.lowering.launch import launch, present_or_placeholder, unused_pointer
 from fusepass.lowering.tiles import tile_offsets
 
 SPLIT_ROW_ALIGNMENT = 16  # elements: a split operand's rows are 64-byte aligned, whatever its width
@@ -88,6 +88,9 @@ def _launch_split(t: Tensor, hi: Tensor, lo: Optional[Tensor], after: Optional[T
     rows, cols = t.shape
     block = 64
     grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
-    launch(_tf32_split_kernel)[grid](t, hi, hi if lo is None else lo, t if after is None else after,
-                                     rows, cols, t.stride(0), t.stride(1),
+    # An absent tensor is a placeholder, not hi again: traced, a buffer in two slots of which the kernel
+    # writes one is cloned by Inductor (launch.unused_pointer).
+    placeholder = unused_pointer(t.device)
+    launch(_tf32_split_kernel)[grid](t, hi, present_or_placeholder(lo, placeholder),
+                                     present_or_placeholder(after, placeholder), rows, cols, t.stride(0), t.stride(1),
                                      hi.stride(0), STORE_LO=lo is not None, BLOCK_ROWS=block, BLOCK_COLS=block)
