@@ -95,12 +95,15 @@ class LinearImplementation:
 
 
 # The most memory the GEMM's copies of W take at once (its tf32 split, or a K-major copy): 16 MiB, a
-# sixteenth of an 8192 x 8192 fp32 W. Unless a block would then have fewer than BLOCK_WAVES waves of tiles
-# on the GPU's SMs: blocked into 128-column strips, a 16384-row batch's weight gradient took the fp32
-# training step from 13.0 to 17.5 ms (H200, 16384 x 4096 -> 4096), while a 1024-row batch's, in blocks
-# of 16 column tiles, cost about 2% at 8192 x 8192 (3.11 to 3.16 ms).
+# sixteenth of an 8192 x 8192 fp32 W. Unless a block would then have less than BLOCK_WAVES waves of tiles
+# on the GPU's SMs, in whole column tiles: blocked into 128-column strips, a 16384-row batch's weight
+# gradient took the fp32 training step from 13.0 to 17.5 ms (H200, 16384 x 4096 -> 4096). Two waves
+# against eight (H100, one run, fp32 training steps): the MLP 5.84 -> 5.93 ms and 444 -> 365 MB,
+# 16384 x 4096 -> 4096 11.99 -> 12.00 ms and 1344 -> 961 MB, 1024 x 8192 -> 8192 3.05 -> 2.95 ms. Rounded
+# down to whole column tiles, not up: blocks of 32 row tiles then take 256 tiles (1.94 waves), not 288
+# (2.2 waves, run in three; with them the MLP's step took 6.79 ms against 5.74, H200).
 COPY_BYTES = 16 << 20
-BLOCK_WAVES = 8
+BLOCK_WAVES = 2
 
 
 # The most a GEMM's tf32 split may copy of an operand whose size grows with the batch: a weight gradient
@@ -113,15 +116,15 @@ SPLIT_COPY_LIMIT = 512 << 20
 
 
 def run_in_blocks(linear: Linear, precision: str, config: gemm_configs.GemmConfig, copy_bytes: int = COPY_BYTES,
-                  min_block_tiles: Optional[int] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+                  block_tiles: Optional[int] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """x @ W^T + b on the Triton GEMM, in blocks of W's rows (y's columns) where the GEMM copies W: each
     block's copies take at most `copy_bytes`, not W's size again, and are freed before the next block's,
-    unless that would leave a block fewer than `min_block_tiles` output tiles (default BLOCK_WAVES waves
-    of the GPU's SMs)."""
+    unless a block would then have fewer output tiles than `block_tiles` (default BLOCK_WAVES waves of the
+    GPU's SMs) rounded down to whole column tiles (at least one)."""
     x, weight, bias = linear.x, linear.weight, linear.bias
     m, n = x.shape[0], weight.shape[0]
     y = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
-    rows = _block_rows(linear, precision, config, copy_bytes, min_block_tiles)
+    rows = _block_rows(linear, precision, config, copy_bytes, block_tiles)
     for n0 in range(0, n, rows):
         block = Linear(x, weight[n0:n0 + rows], bias[n0:n0 + rows] if bias is not None else None)
         gemm.gemm_into(y, n0, block, precision, config)
@@ -129,14 +132,14 @@ def run_in_blocks(linear: Linear, precision: str, config: gemm_configs.GemmConfi
 
 
 def _block_rows(linear: Linear, precision: str, config: gemm_configs.GemmConfig, copy_bytes: int = COPY_BYTES,
-                min_block_tiles: Optional[int] = None) -> int:
+                block_tiles: Optional[int] = None) -> int:
     """How many of W's rows run_in_blocks gives each launch."""
     m, k = (hint(s) for s in linear.x.shape)
-    if min_block_tiles is None:
-        min_block_tiles = BLOCK_WAVES * gemm_configs.sm_count(linear.x.device)
+    if block_tiles is None:
+        block_tiles = BLOCK_WAVES * gemm_configs.sm_count(linear.x.device)
     row_tiles = -(-m // config.block_m)
     return max(_rows_within(copy_bytes, precision, linear.weight, k, config.block_n),
-               -(-min_block_tiles // row_tiles) * config.block_n)
+               max(1, block_tiles // row_tiles) * config.block_n)
 
 
 def _copy_past_limit(call: LinearCall, precision: str, config: gemm_configs.GemmConfig) -> Optional[str]:

@@ -63,8 +63,8 @@ def test_blocks_of_w_bound_its_copies_and_change_no_bit(layout, precision, block
     """Where the GEMM copies W (its split: two copies; a K-major copy of a transposed view: one), it runs
     on blocks of W's rows whose copies stay within the bound, and gives bit for bit one launch's result:
     every y tile is the same dot products in the same order. 70 columns: the last block is partial.
-    A block must also have min_block_tiles tiles: of 3 row tiles (37 rows of 16), 9 take 96 columns (one
-    block), 5 take 64."""
+    A block may also take block_tiles tiles, in whole column tiles: of 3 row tiles (37 rows of 16), 9 take
+    96 columns (one block), 7 take 64, 5 one column tile (32 columns: the copy's bound decides)."""
     a, b = _operands(layout, 37, 24, 70, seed=3)
     whole = gemm.run_gemm(gemm.Linear(a, b, None), precision, SMALL).y
     launched = []
@@ -75,15 +75,34 @@ def test_blocks_of_w_bound_its_copies_and_change_no_bit(layout, precision, block
         return gemm_into(y, y_col0, block, *rest)
     monkeypatch.setattr(gemm, "gemm_into", recording)
     bound = 2 * SMALL.block_n * 24 * 4  # one column tile's split of a 24-wide fp32 W
-    y = linear.run_in_blocks(gemm.Linear(a, b, None), precision, SMALL, copy_bytes=bound, min_block_tiles=1)
+    y = linear.run_in_blocks(gemm.Linear(a, b, None), precision, SMALL, copy_bytes=bound, block_tiles=1)
     assert torch.equal(y, whole)
     assert launched == blocks
     launched.clear()
-    linear.run_in_blocks(gemm.Linear(a, b, None), precision, SMALL, copy_bytes=bound, min_block_tiles=9)
+    linear.run_in_blocks(gemm.Linear(a, b, None), precision, SMALL, copy_bytes=bound, block_tiles=9)
     assert launched == [70]
     launched.clear()
-    linear.run_in_blocks(gemm.Linear(a, b, None), precision, SMALL, copy_bytes=bound, min_block_tiles=5)
+    linear.run_in_blocks(gemm.Linear(a, b, None), precision, SMALL, copy_bytes=bound, block_tiles=7)
     assert launched == ([64, 6] if blocks != [70] else [70])
+    launched.clear()
+    linear.run_in_blocks(gemm.Linear(a, b, None), precision, SMALL, copy_bytes=bound, block_tiles=5)
+    assert launched == blocks
+
+
+@pytest.mark.parametrize("batch, out_features, in_features, rows", [
+    (4096, 4096, 4096, 1024),  # the MLP's hidden layer: 32 row tiles, 8 column tiles a block (256 tiles)
+    (16384, 4096, 4096, 1024),
+    (1024, 8192, 8192, 2048),  # 64 row tiles: 4 column tiles would do; COPY_BYTES allows 16
+    (4096, 256, 4096, 4096),  # the MLP's last layer: 2 row tiles, whole
+])
+def test_a_weight_gradients_blocks_are_whole_waves_of_tiles(batch, out_features, in_features, rows, monkeypatch):
+    """On an H100's 132 SMs a weight gradient's split operand (x^T, in_features x batch) runs in blocks of
+    at most two waves of output tiles, in whole column tiles (rounded down: a block of 2.2 waves runs in
+    three), unless COPY_BYTES allows more."""
+    monkeypatch.setattr(gemm_configs, "sm_count", lambda device: 132)
+    g, x = torch.empty(batch, out_features, device="meta"), torch.empty(batch, in_features, device="meta")
+    config = gemm_configs.candidates("split_w", torch.float32)[0]
+    assert min(in_features, linear._block_rows(gemm.Linear(g.t(), x.t(), None), "split_w", config)) == rows
 
 
 @pytest.mark.parametrize("layout, precision", [("grad_weight", "split_w"), ("forward", "split_x")])
@@ -109,10 +128,11 @@ def test_a_split_copy_past_the_limit_leaves_the_call_to_cublas(layout, precision
 
 
 @pytest.mark.parametrize("batch, features, within", [(16384, 4096, True), (1024, 8192, True), (4096, 4096, True),
-                                                     (16400, 4096, False), (262144, 1024, False)])
+                                                     (65552, 4096, False), (262144, 1024, False)])
 def test_the_seed_problems_weight_gradients_split_within_the_limit(batch, features, within, monkeypatch):
     """On an H100's 132 SMs the seed problems' weight gradients (the largest: 16384 rows of 4096 features,
-    512 MiB) keep their pre-split GEMM; a batch past it, or a large one, does not."""
+    split in blocks of 1024 features: 128 MiB) keep their pre-split GEMM; a large batch does not (65552
+    rows: a block's split takes 512.1 MiB)."""
     monkeypatch.setattr(gemm_configs, "sm_count", lambda device: 132)
     g, x = torch.empty(batch, features, device="meta"), torch.empty(batch, features, device="meta")
     call = linear.LinearCall(g.t(), x.t(), None, "tf32x3", "auto")
@@ -220,8 +240,8 @@ def test_op_and_its_gradients_no_further_from_float64_than_eager_on_cuda(gemm_ch
 @pytest.mark.cuda
 def test_weight_gradient_copies_stay_within_the_bound_on_cuda():
     """A weight gradient on the pre-split GEMM (8192 x 8192, 1024-row batch; its W split whole: 64 MiB):
-    beyond its output, the call holds about a block's copies at any time (17 MiB on 132 SMs: a block
-    keeps BLOCK_WAVES waves of tiles), and stays exact."""
+    beyond its output, the call holds about a block's copies at any time (16 MiB: COPY_BYTES, above a block
+    of BLOCK_WAVES waves of tiles), and stays exact."""
     torch.manual_seed(0)
     g, x = torch.randn(1024, 8192, device="cuda"), torch.randn(1024, 8192, device="cuda")
     call = linear.LinearCall(g.t(), x.t(), None, "tf32x3", "auto")
