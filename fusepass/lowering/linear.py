@@ -101,7 +101,8 @@ class LinearImplementation:
 # against eight (H100, one run, fp32 training steps): the MLP 5.84 -> 5.93 ms and 444 -> 365 MB,
 # 16384 x 4096 -> 4096 11.99 -> 12.00 ms and 1344 -> 961 MB, 1024 x 8192 -> 8192 3.05 -> 2.95 ms. Rounded
 # down to whole column tiles, not up: blocks of 32 row tiles then take 256 tiles (1.94 waves), not 288
-# (2.2 waves, run in three; with them the MLP's step took 6.79 ms against 5.74, H200).
+# (2.2 waves, run in three; with them, and a rule since dropped, the MLP's step took 6.79 ms against
+# 5.74, H200).
 COPY_BYTES = 16 << 20
 BLOCK_WAVES = 2
 
