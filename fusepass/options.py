@@ -13,6 +13,7 @@ from torch._inductor import config as inductor_config
 from fusepass.families import FAMILIES
 from fusepass.families.bare_linear import FAMILY as BARE_LINEAR
 from fusepass.lowering.launch import OPAQUE_ENV
+from fusepass.lowering.recompute import RebuildChainOutputs
 from fusepass.lowering.schema import KernelOptions
 from fusepass.lowering.tuning import source_hash
 
@@ -33,6 +34,9 @@ FUSEPASS_KEYS = {
     "fp32_matmul": "fp32 GEMMs when torch does not allow TF32: 'tf32x3' (default; fp32-accurate on tensor "
                    "cores) or 'ieee' (plain fp32 FMA, on cuBLAS whatever 'gemm' says); with TF32 allowed they use "
                    "TF32, as eager",
+    "rebuild_outputs": "whether a training step rebuilds a chain's output in its backward (one pass over the "
+                       "linear output) instead of holding it from the forward: True (default; holds one (N, F) tensor "
+                       "less per chain whose output the backward reads) or False",
     "time_unfused": "on the first compile of a problem (CUDA), time each match fused against Inductor's own code for "
                     "its nodes, forward and backward where gradients flow, and keep the faster where Inductor's is no "
                     "further from float64 than eager (cached on disk with the tuner's choices): False (default; "
@@ -53,6 +57,7 @@ class Options:
     fallback: str = "inductor"
     kernel: KernelOptions = KernelOptions()  # the fused ops' own options, passed to each op in the graph
     bare_linear: bool = True
+    rebuild_outputs: bool = True
     time_unfused: bool = False
     inductor_patches: dict[str, Any] = field(default_factory=dict)
 
@@ -67,18 +72,21 @@ class Options:
         fallback = own.get("fallback", "inductor")
         if fallback not in FALLBACKS:
             raise ValueError(f"fusepass: options['fallback'] must be one of {FALLBACKS}, got {fallback!r}")
-        patches = dict(modes[mode])
-        patches.update(_inductor_patches(options))
-        _launch_fused_kernels_statically(patches)
-        _key_caches_on_fusepass_source(patches)
         debug_dir = own.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
         kernel = KernelOptions(**{f.name: own[f.name] for f in fields(KernelOptions) if f.name in own})
         kernel.validate()
-        defaults = {"bare_linear": True, "time_unfused": os.environ.get(TIME_UNFUSED_ENV) == "1"}
+        defaults = {"bare_linear": True, "rebuild_outputs": True,
+                    "time_unfused": os.environ.get(TIME_UNFUSED_ENV) == "1"}
         flags = {key: own.get(key, default) for key, default in defaults.items()}
         for key, value in flags.items():
             if not isinstance(value, bool):
                 raise ValueError(f"fusepass: options[{key!r}] must be True or False, got {value!r}")
+        patches = dict(modes[mode])
+        patches.update(_inductor_patches(options))
+        _launch_fused_kernels_statically(patches)
+        _key_caches_on_fusepass_source(patches)
+        if flags["rebuild_outputs"]:
+            _rebuild_chain_outputs(patches)
         return cls(mode=mode, debug_dir=debug_dir, fallback=fallback, kernel=kernel, inductor_patches=patches,
                    **flags)
 
@@ -121,6 +129,14 @@ def _key_caches_on_fusepass_source(patches: dict[str, Any]) -> None:
         marked = dict(patches.get(key, inductor_config.get_config_copy()[key]))
         marked["torch.ops.fusepass"] = source_hash() + (" opaque" if os.environ.get(OPAQUE_ENV) else "")
         patches[key] = marked
+
+
+def _rebuild_chain_outputs(patches: dict[str, Any]) -> None:
+    """The partitioner rebuilds chains' outputs in the backward (recompute.py), after the user's own joint
+    pass if there is one."""
+    key = "joint_custom_pre_pass"
+    user_pass = patches.get(key, inductor_config.get_config_copy()[key])
+    patches[key] = RebuildChainOutputs(user_pass)
 
 
 def _unknown_key_message(key: str, inductor_keys: dict[str, Any]) -> str:

@@ -2,6 +2,7 @@
 shape and dtype, through autograd's saved-tensor hooks), the buffers its compiled backward allocates
 (CPU: Inductor's generated code), and on a GPU its peak memory against Inductor's and eager's step."""
 
+import copy
 import re
 from contextlib import nullcontext
 
@@ -27,7 +28,7 @@ def saved_tensors(model: nn.Module, x: torch.Tensor, autocast: bool) -> list[tup
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", torch.bfloat16) if autocast else nullcontext():
+        with torch.autocast(x.device.type, torch.bfloat16) if autocast else nullcontext():
             out = model(x)
     out.float().sum().backward()
     return saved
@@ -121,6 +122,31 @@ def step_peaks(make_model, x: torch.Tensor, autocast: bool) -> dict[str, int]:
         del model
         torch.cuda.empty_cache()
     return peaks
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("rebuild", [True, False])
+def test_a_relu_mlp_under_autocast_on_cuda_rebuilds_each_layer_output_in_the_backward(rebuild):
+    """Where the op's kernels are traced (CUDA), the partitioner rebuilds each chain's 16-bit output in
+    the backward (lowering/recompute.py): the forward saves the first layer's input and each layer's
+    linear output only; with rebuild_outputs=False the outputs too, as on CPU. The gradients are the
+    same bits either way: the rebuild is the forward's own pass on the same saved values."""
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    base = MLP(24, [40, 48, 8]).cuda()
+    x = make_input(N, 24, "cuda")
+    grads = {}
+    for rebuild_outputs in (rebuild, not rebuild):
+        model = copy.deepcopy(base)
+        compiled = torch.compile(model, backend="fusepass", options={"rebuild_outputs": rebuild_outputs})
+        saved = saved_tensors(compiled, x, autocast=True)
+        grads[rebuild_outputs] = [p.grad for p in model.parameters()]
+        if rebuild_outputs == rebuild:
+            assert_fused(rewrites=2)
+            outputs = [(N, 40), (N, 48)] if not rebuild else []
+            assert batch_sized(saved) == sorted([(N, 24), (N, 40), (N, 48)] + outputs)
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
 
 
 @requires_cuda
