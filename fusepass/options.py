@@ -34,9 +34,9 @@ FUSEPASS_KEYS = {
     "fp32_matmul": "fp32 GEMMs when torch does not allow TF32: 'tf32x3' (default; fp32-accurate on tensor "
                    "cores) or 'ieee' (plain fp32 FMA, on cuBLAS whatever 'gemm' says); with TF32 allowed they use "
                    "TF32, as eager",
-    "rebuild_outputs": "whether a training step rebuilds a chain's output in its backward (one pass over the "
-                       "linear output) instead of holding it from the forward: True (default; holds one (N, F) tensor "
-                       "less per chain whose output the backward reads) or False",
+    "rebuild_outputs": "whether a training step rebuilds a chain's 16-bit (autocast) output in its backward (one "
+                       "pass over the saved linear output) instead of holding it from the forward: True (default) "
+                       "or False; fp32 outputs are held either way",
     "time_unfused": "on the first compile of a problem (CUDA), time each match fused against Inductor's own code for "
                     "its nodes, forward and backward where gradients flow, and keep the faster where Inductor's is no "
                     "further from float64 than eager (cached on disk with the tuner's choices): False (default; "
