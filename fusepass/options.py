@@ -135,7 +135,7 @@ def _rebuild_chain_outputs(patches: dict[str, Any]) -> None:
     """The partitioner rebuilds chains' outputs in the backward (recompute.py), after the user's own joint
     pass if there is one."""
     key = "joint_custom_pre_pass"
-    user_pass = patches.get(key, inductor_config.get_config_copy()[key])
+    user_pass = patches.get(key, getattr(inductor_config, key))
     patches[key] = RebuildChainOutputs(user_pass)
 
 
