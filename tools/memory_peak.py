@@ -4,7 +4,7 @@ still live at that peak, largest first, with the Python line that made each (for
 line of Inductor's generated code). GPU only.
 
     python tools/memory_peak.py demos/problems/gemm_scale_batchnorm.py --size 1024,8192,8192 --mode eval \
-        --precision bf16-autocast [--backward] [--providers eager inductor fusepass]
+        --precision bf16-autocast [--backward] [--providers eager inductor fusepass] [--timeline 8]
 """
 
 from __future__ import annotations
@@ -34,6 +34,25 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
     return peak, sorted(at_peak, key=lambda e: -e["size"])
 
 
+def timeline(trace: list[dict], min_bytes: int) -> list[str]:
+    """Every allocation and free of at least min_bytes, in order, with the net bytes allocated after it
+    (a free named by the line that allocated the block)."""
+    live, net, lines = {}, 0, []
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = allocation = event
+            net += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            allocation = live.pop(event["addr"])
+            net -= allocation["size"]
+        else:
+            continue
+        if allocation["size"] >= min_bytes:
+            sign = "+" if event is allocation else "-"
+            lines.append(f"{net / 2**20:8.0f} MB  {sign}{allocation['size'] / 2**20:6.1f}  {where(allocation)}")
+    return lines
+
+
 def user_frames(event: dict) -> list[dict]:
     return [f for f in event.get("frames", []) if f["filename"].endswith(".py")
             and "/torch/" not in f["filename"] and "/triton/" not in f["filename"]]
@@ -54,6 +73,8 @@ def main() -> None:
     add_problem_arguments(parser, ["eager", "inductor", "fusepass"])
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--dump", help="copy the generated code that made the largest blocks into this folder")
+    parser.add_argument("--timeline", type=float, metavar="MB",
+                        help="also print every allocation and free of at least this many MB, in order")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -78,14 +99,18 @@ def main() -> None:
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         peak_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
-        traced_peak, blocks = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()])
+        trace = snapshot["device_traces"][torch.cuda.current_device()]
+        traced_peak, blocks = live_at_peak(trace)
         print(f"\n=== {provider}: {before / 2**20:.0f} MB allocated before the call; peak +{peak_mb:.0f} MB "
               f"(trace: +{traced_peak / 2**20:.0f} MB); output {tuple(out.shape)} {out.dtype}")
         for event in blocks[:args.top]:
             print(f"  {event['size'] / 2**20:8.1f} MB  {where(event)}")
-        if args.dump and blocks and user_frames(blocks[0]):
-            source = user_frames(blocks[0])[0]["filename"]
-            shutil.copy(source, f"{args.dump}/{provider}_{args.mode}_{source.rsplit('/', 1)[-1]}")
+        if args.timeline is not None:
+            print(f"--- {provider}: timeline, net MB after each event")
+            print("\n".join(timeline(trace, int(args.timeline * 2**20))))
+        if args.dump:
+            for source in {user_frames(e)[0]["filename"] for e in blocks[:args.top] if user_frames(e)}:
+                shutil.copy(source, f"{args.dump}/{provider}_{args.mode}_{source.rsplit('/', 1)[-1]}")
         del model, out
 
 
