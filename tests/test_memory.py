@@ -190,3 +190,22 @@ def test_a_tf32_backwards_roundings_are_made_in_the_backward_on_cuda():
     assert_fused(rewrites=1)
     assert "_tf32_split_kernel" not in forward_code
     assert "_tf32_split_kernel" in backward_code
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_a_weight_gradient_reads_one_stored_gradient_on_cuda(monkeypatch):
+    """fp32, tuning off, x without a gradient: the weight gradient's split kernel and its GEMM both take the
+    chain's (N, F) gradient, which the backward stores once (unstored, Inductor copied it for each kernel
+    argument: a swish chain at 1024 x 8192 -> 8192, its weight gradient in four blocks, held eight)."""
+    monkeypatch.setenv("FUSEPASS_TUNE", "0")
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    rows, in_features, features = 1024, 8192, 8192
+    model = torch.compile(TailModel("bias_div_swish", in_features, features).cuda(), backend="fusepass")
+    x = torch.randn(rows, in_features, device="cuda")
+    _, (_, backward_code) = run_fw_bw_and_get_code(lambda: model(x).sum())
+    assert_fused(rewrites=1)
+    assert "_tf32_split_kernel" in backward_code and "_gemm_kernel" in backward_code
+    gradient_buffers = re.findall(rf"empty_strided_cuda\(\(({rows}, {features}|{features}, {rows})\)", backward_code)
+    assert len(gradient_buffers) <= 1, gradient_buffers

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusepass.lowering import linear, pointwise, sync
+from fusepass.lowering.launch import stored
 from fusepass.lowering.reference import affine
 from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Scale, gradients_in_op_order, unflatten
 
@@ -87,7 +88,7 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
         grad_z = (g_hat - g_hat.mean(0) - x_hat * (sum_g_xhat / g.shape[0])) * invstd
     else:
         grad_z = g_hat * invstd
-    grad_y = (grad_z * s1.factor()).to(linear_out.dtype)
+    grad_y = stored((grad_z * s1.factor()).to(linear_out.dtype))  # read by every block of dX and dW
 
     if need.linear.x:
         grads["linear_x"] = linear.call(grad_y, weight.t(), None, ctx.kernel)
