@@ -13,6 +13,7 @@ import argparse
 import copy
 import linecache
 import shutil
+from typing import Iterator
 
 import torch
 
@@ -20,37 +21,35 @@ from fusepass.bench import add_problem_arguments
 from fusepass.providers import make_provider, model_and_inputs, provider_call
 
 
-def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
-    """Replays one device's allocator trace: (highest net bytes allocated, the blocks live then)."""
-    live, net, peak, at_peak = {}, 0, 0, []
+def replay(trace: list[dict]) -> Iterator[tuple[dict, bool, int, dict]]:
+    """One device's allocator trace, allocation by allocation and free by free, in order: (the block's
+    allocation event, whether this is its free, the net bytes allocated after it, the blocks live then)."""
+    live, net = {}, 0
     for event in trace:
         if event["action"] == "alloc":
             live[event["addr"]] = event
             net += event["size"]
+            yield event, False, net, live
         elif event["action"] == "free_completed" and event["addr"] in live:
-            net -= live.pop(event["addr"])["size"]
+            allocation = live.pop(event["addr"])
+            net -= allocation["size"]
+            yield allocation, True, net, live
+
+
+def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
+    """(highest net bytes allocated, the blocks live then, largest first)."""
+    peak, at_peak = 0, []
+    for _, _, net, live in replay(trace):
         if net > peak:
             peak, at_peak = net, list(live.values())
     return peak, sorted(at_peak, key=lambda e: -e["size"])
 
 
 def timeline(trace: list[dict], min_bytes: int) -> list[str]:
-    """Every allocation and free of at least min_bytes, in order, with the net bytes allocated after it
-    (a free named by the line that allocated the block)."""
-    live, net, lines = {}, 0, []
-    for event in trace:
-        if event["action"] == "alloc":
-            live[event["addr"]] = allocation = event
-            net += event["size"]
-        elif event["action"] == "free_completed" and event["addr"] in live:
-            allocation = live.pop(event["addr"])
-            net -= allocation["size"]
-        else:
-            continue
-        if allocation["size"] >= min_bytes:
-            sign = "+" if event is allocation else "-"
-            lines.append(f"{net / 2**20:8.0f} MB  {sign}{allocation['size'] / 2**20:6.1f}  {where(allocation)}")
-    return lines
+    """Every allocation and free of at least min_bytes, in order, with the net MB allocated after it (a
+    free named by the line that allocated the block)."""
+    return [f"{net / 2**20:8.0f} MB  {'-' if freed else '+'}{block['size'] / 2**20:6.1f}  {where(block)}"
+            for block, freed, net, _ in replay(trace) if block["size"] >= min_bytes]
 
 
 def user_frames(event: dict) -> list[dict]:
