@@ -2,6 +2,7 @@
 statistics, fallbacks, dropped parameters), error paths; the GPU tools built on its public functions."""
 
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -277,6 +278,24 @@ def test_gpu_tools_parse_arguments_on_any_machine(tool):
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--size N,K,F" in result.stdout and "--precision" in result.stdout
+
+
+def test_memory_peak_replays_the_allocator_trace_in_order():
+    """tools/memory_peak.py: the peak is the highest net of allocations less completed frees (a requested
+    free does not count), with the blocks live then; the timeline lists each block above the size."""
+    spec = importlib.util.spec_from_file_location("memory_peak", ROOT / "tools" / "memory_peak.py")
+    memory_peak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memory_peak)
+    mb = 1 << 20
+    trace = [{"action": "alloc", "addr": 1, "size": 10 * mb}, {"action": "alloc", "addr": 2, "size": 5 * mb},
+             {"action": "free_requested", "addr": 1, "size": 10 * mb},
+             {"action": "alloc", "addr": 4, "size": mb // 2},
+             {"action": "free_completed", "addr": 1, "size": 10 * mb},
+             {"action": "alloc", "addr": 3, "size": 7 * mb}, {"action": "free_completed", "addr": 3, "size": 7 * mb}]
+    peak, blocks = memory_peak.live_at_peak(trace)
+    assert peak == 15 * mb + mb // 2 and [b["addr"] for b in blocks] == [1, 2, 4]
+    nets = [line.split()[0] for line in memory_peak.timeline(trace, mb)]
+    assert nets == ["10", "15", "6", "12", "6"]
 
 
 def test_cuda_graph_providers_begin_a_step_per_call(monkeypatch):
