@@ -12,8 +12,10 @@ import torch._dynamo
 import torch.nn as nn
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_fw_bw_and_get_code
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import fusepass  # noqa: F401  (registers the backend)
+from fusepass.lowering import launch
 from tests.chains import MLP, ChainModel, assert_fused, make_input, requires_cuda
 from tests.test_tail import TailModel
 
@@ -190,6 +192,14 @@ def test_a_tf32_backwards_roundings_are_made_in_the_backward_on_cuda():
     assert_fused(rewrites=1)
     assert "_tf32_split_kernel" not in forward_code
     assert "_tf32_split_kernel" in backward_code
+
+
+def test_stored_is_a_stride_preserving_store_when_traced_and_the_tensor_itself_in_eager():
+    t = torch.randn(6, 5, requires_grad=True) * 2
+    assert launch.stored(t) is t
+    graph = make_fx(lambda u: launch.stored(u.t() * 3))(torch.randn(5, 6)).graph
+    stores = [n for n in graph.nodes if n.target is torch.ops.prims.inductor_force_stride_order.default]
+    assert len(stores) == 1 and tuple(stores[0].args[1]) == (1, 6)
 
 
 @requires_cuda

@@ -53,7 +53,8 @@ def stored(t: torch.Tensor) -> torch.Tensor:
     every argument it is passed as. A backward's (N, F) gradient that only GEMM kernels read was copied
     once per block kernel: eight copies for a weight gradient in four blocks (split kernel and GEMM each),
     all made before the first GEMM (a swish chain, 1024 x 8192 -> 8192, fp32, on an H100)."""
-    return torch.ops.prims.inductor_force_stride_order(t, t.stride())
+    # Eager, the prim would also cut a double backward (it has no autograd formula).
+    return torch.ops.prims.inductor_force_stride_order(t, t.stride()) if tracing() else t
 
 
 def unused_pointer(device) -> torch.Tensor:
