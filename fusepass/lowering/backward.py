@@ -21,6 +21,7 @@ from fusepass.lowering.reference import affine
 from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Scale, gradients_in_op_order, unflatten
 
 aten = torch.ops.aten
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def setup_context(ctx, inputs: tuple, output: tuple) -> None:
@@ -29,18 +30,19 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:
     mean and invstd: the normalized value, the batch norm's output and the tail's values are rebuilt from
     them in the backward's own pass, never saved; the scale, gamma, beta and the tail's tensor operands;
     and the chain's output where the backward reads it: with softmax, the probabilities, whose rebuild
-    would cost a second exp pass; with a tail of one relu, its sign (eager's ReLU saves its output too).
-    That output is usually held anyway, as the next layer's input: rebuilding the relu's mask from y and
-    the per-feature vectors instead makes Inductor store the masked gradient, an (N, F) fp32 buffer, for
-    the several kernels that read it (it stores a value read by more than one kernel once it reads more
-    than `realize_reads_threshold`, 4, buffers)."""
+    would cost a second exp pass; with a tail of one 16-bit relu, its sign (eager's ReLU reads its output;
+    a 16-bit value can round to 0 where its fp32 source is positive, and recompute.py rebuilds it rather
+    than saving it). An fp32 relu's mask is rebuilt from y and the statistics with the forward kernel's
+    arithmetic: the output, otherwise held until this backward, is then free once the next layer's weight
+    gradient has read it."""
     args = unflatten(inputs)
     outputs = ChainOutputs(*output)
     ctx.mark_non_differentiable(outputs.new_running_mean, outputs.new_running_var, outputs.linear_out,
                                 outputs.mean, outputs.invstd, outputs.compute_weight)
     lin, bn = args.linear, args.batch_norm
     weight = outputs.compute_weight if args.returns_compute_weight else lin.weight
-    relu_from_output = pointwise.is_single_relu(args.tail.program) and not args.softmax
+    relu_from_output = (pointwise.is_single_relu(args.tail.program) and not args.softmax
+                        and outputs.out.dtype in SIXTEEN_BIT)
     out = outputs.out if args.softmax or relu_from_output else None
     ctx.save_for_backward(lin.x, weight, args.scale_before.tensor, bn.weight, bn.bias, *args.tail.tensors,
                           outputs.linear_out, outputs.mean, outputs.invstd, out)
@@ -72,11 +74,14 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
         g = aten.threshold_backward(g, out.to(g.dtype), 0)
     elif ctx.tail_program:  # through the pointwise tail, recomputed from the batch norm's output
         bn_out = affine(x_hat, BatchNorm(bn_weight, bn_bias, None, None, ctx.training, 0.0, ctx.eps))
-        values = pointwise.run(ctx.tail_program, bn_out, tail_tensors)
-        g, tensor_grads = pointwise.backward(ctx.tail_program, values, g, tail_tensors, softmax_probs=probs)
-        for slot, grad in tensor_grads.items():
-            if getattr(need.tail, f"tensor_{slot}"):
-                grads[f"tail_tensor_{slot}"] = grad
+        if pointwise.is_single_relu(ctx.tail_program):
+            g = _relu_backward(g, bn_out)
+        else:
+            values = pointwise.run(ctx.tail_program, bn_out, tail_tensors)
+            g, tensor_grads = pointwise.backward(ctx.tail_program, values, g, tail_tensors, softmax_probs=probs)
+            for slot, grad in tensor_grads.items():
+                if getattr(need.tail, f"tensor_{slot}"):
+                    grads[f"tail_tensor_{slot}"] = grad
     # g is now the gradient w.r.t. the batch_norm output
 
     g_hat = g * bn_weight.float() if bn_weight is not None else g
@@ -90,15 +95,15 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
         grad_z = g_hat * invstd
     grad_y = stored((grad_z * s1.factor()).to(linear_out.dtype))  # read by every block of dX and dW
 
-    if need.linear.x:
-        grads["linear_x"] = linear.call(grad_y, weight.t(), None, ctx.kernel)
-    if need.linear.weight:
+    if need.linear.weight:  # first: x, read by nothing else here, may then be freed before dX is made
         if weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) != 1:
             # A matmul head's (in, out) W seen as (out, in): its gradient is made as x^T @ grad_y, in W's own
             # layout, and handed back as the view, so that no transposing copy of it follows.
             grads["linear_weight"] = linear.call(x.t(), grad_y.t(), None, ctx.kernel, ctx.weight_grad_dtype).t()
         else:
             grads["linear_weight"] = linear.call(grad_y.t(), x.t(), None, ctx.kernel, ctx.weight_grad_dtype)
+    if need.linear.x:
+        grads["linear_x"] = linear.call(grad_y, weight.t(), None, ctx.kernel)
     if need.linear.bias:
         grads["linear_bias"] = _linear_bias_grad(ctx, grad_y)
     if need.scale_before.tensor:
@@ -108,6 +113,13 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
     if need.batch_norm.bias:
         grads["batch_norm_bias"] = g.sum(0).to(bn_bias.dtype)
     return gradients_in_op_order(grads)
+
+
+def _relu_backward(g: Tensor, bn_out: Tensor) -> Tensor:
+    """threshold_backward(g, relu(bn_out), 0), its mask stored as one byte per element. Unstored, the
+    masked gradient, which several kernels read, would be stored in fp32: Inductor stores such a value
+    once it reads more than `realize_reads_threshold` (4) buffers, here y, mean, invstd, gamma, beta, g."""
+    return g.masked_fill(stored(bn_out <= 0), 0)
 
 
 def _linear_bias_grad(ctx, grad_y: Tensor) -> Tensor:

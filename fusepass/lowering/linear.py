@@ -345,8 +345,9 @@ def _backward(ctx, grad: Tensor) -> tuple:
     need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
     grad_bias = grad.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if need_bias else None
     grad = stored(grad.to(ctx.compute_dtype))  # a widened output's gradient, in the operands' dtype
-    grad_x = call(grad, weight.t(), None, ctx.kernel) if need_x else None
+    # dW first: x, which nothing else here reads, may then be freed before dX is made
     grad_weight = call(grad.t(), x.t(), None, ctx.kernel) if need_weight else None
+    grad_x = call(grad, weight.t(), None, ctx.kernel) if need_x else None
     return grad_x, grad_weight, grad_bias, *(None,) * (len(LinearCall._fields) - 3)
 
 
