@@ -225,6 +225,10 @@ def _run_each_once(candidates: dict[str, Callable[[], Any]], device: torch.devic
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def first_run(run: Callable[[], Any]) -> None:
+        if stream is not None:
+            # A new thread has no current CUDA context until a runtime call that needs one binds the
+            # device's primary context; cuBLAS would otherwise warn that it had to set it itself.
+            torch.cuda.synchronize(device)
         with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             run()
 
