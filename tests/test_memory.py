@@ -182,15 +182,23 @@ def test_a_fused_chain_step_peaks_below_inductors_and_eagers_on_cuda(autocast):
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("autocast, bound", [(True, 1.02), (False, 0.9)])
-def test_a_fused_relu_mlp_step_peaks_at_or_below_inductors_on_cuda(autocast, bound):
-    """torchvision's MLP with BatchNorm1d. bf16 autocast: each chain keeps its linear output and its
+def test_a_fused_relu_mlp_step_peaks_with_inductors_under_autocast_on_cuda():
+    """torchvision's MLP with BatchNorm1d, bf16 autocast: each chain keeps its linear output and its
     output, as Inductor's graph does (the relu's mask from the output; rebuilt instead, an fp32 gradient
-    buffer put fusepass 19% above Inductor at 262144 rows on an H100). fp32: the mask is rebuilt from the
-    linear output into one byte per element, and each layer's input is freed after its weight gradient,
-    before its input gradient is made."""
-    peaks = step_peaks(lambda: MLP(512, [2048, 2048, 256]), torch.randn(32768, 512, device="cuda"), autocast)
-    assert peaks["fusepass"] < bound * peaks["inductor"] and peaks["fusepass"] < peaks["eager"], peaks
+    buffer put fusepass 19% above Inductor at 262144 rows on an H100)."""
+    peaks = step_peaks(lambda: MLP(512, [2048, 2048, 256]), torch.randn(32768, 512, device="cuda"), autocast=True)
+    assert peaks["fusepass"] < 1.02 * peaks["inductor"] and peaks["fusepass"] < peaks["eager"], peaks
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_a_fused_fp32_relu_mlp_step_peaks_below_inductors_on_cuda():
+    """fp32, the benchmark's MLP: each relu's mask is rebuilt from the linear output into one byte per
+    element and each layer's input is freed after its weight gradient, before its input gradient is made.
+    (With the mask read from the output, held until the layer's backward, the step's own peak was 365 MB
+    against Inductor's 329, H100.)"""
+    peaks = step_peaks(lambda: MLP(1024, [4096, 4096, 256]), torch.randn(4096, 1024, device="cuda"), autocast=False)
+    assert peaks["fusepass"] < peaks["inductor"] and peaks["fusepass"] < peaks["eager"], peaks
 
 
 @requires_cuda
