@@ -72,9 +72,8 @@ def test_a_chain_saves_its_input_its_linear_output_and_what_its_backward_reads(m
 
 
 def test_a_relu_chain_backward_allocates_no_fp32_batch_buffer_under_autocast():
-    """The relu's mask is rebuilt from the linear output and stored in one byte per element: Inductor's
-    backward keeps no (N, F) fp32 gradient (unstored, it would store the masked gradient for the kernels
-    that read it)."""
+    """The relu's mask comes from the saved output: Inductor's backward keeps no (N, F) fp32 gradient
+    (rebuilt from y and the per-feature vectors, it would store it for the kernels that read it)."""
     torch.manual_seed(2)
     model = torch.compile(MLP(24, [40, 48, 8]), backend="fusepass")
     x = make_input(N, 24)
@@ -85,8 +84,7 @@ def test_a_relu_chain_backward_allocates_no_fp32_batch_buffer_under_autocast():
 
     _, (forward_code, backward_code) = run_fw_bw_and_get_code(step)
     batch_buffers = re.findall(rf"empty_strided_cpu\(\({N}, (\d+)\), \(\d+, 1\), torch\.(\w+)\)", backward_code)
-    assert ("40", "bool") in batch_buffers and ("48", "bool") in batch_buffers
-    assert ("40", "float32") not in batch_buffers and ("48", "float32") not in batch_buffers
+    assert batch_buffers and ("40", "float32") not in batch_buffers and ("48", "float32") not in batch_buffers
 
 
 def test_an_fp32_relu_mlp_backward_frees_each_layer_input_before_its_input_gradient():
@@ -185,10 +183,9 @@ def test_a_fused_chain_step_peaks_below_inductors_and_eagers_on_cuda(autocast):
 @requires_cuda
 @pytest.mark.cuda
 def test_a_fused_relu_mlp_step_peaks_with_inductors_under_autocast_on_cuda():
-    """torchvision's MLP with BatchNorm1d, bf16 autocast: each chain keeps its linear output; its output
-    is rebuilt in the backward for the next layer's weight gradient, the relu's mask stored in one byte
-    per element (an unstored mask, which left Inductor storing the masked fp32 gradient, put fusepass 19%
-    above Inductor at 262144 rows on an H100)."""
+    """torchvision's MLP with BatchNorm1d, bf16 autocast: each chain keeps its linear output and its
+    output, as Inductor's graph does (the relu's mask from the output; rebuilt instead, an fp32 gradient
+    buffer put fusepass 19% above Inductor at 262144 rows on an H100)."""
     peaks = step_peaks(lambda: MLP(512, [2048, 2048, 256]), torch.randn(32768, 512, device="cuda"), autocast=True)
     assert peaks["fusepass"] < 1.02 * peaks["inductor"] and peaks["fusepass"] < peaks["eager"], peaks
 

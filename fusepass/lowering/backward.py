@@ -20,6 +20,9 @@ from fusepass.lowering.launch import stored
 from fusepass.lowering.reference import affine
 from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Scale, gradients_in_op_order, unflatten
 
+aten = torch.ops.aten
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
 
 def setup_context(ctx, inputs: tuple, output: tuple) -> None:
     """Saves, per step of the chain: the head's x and W (dW needs x, dX needs W: under autocast the op's
@@ -27,16 +30,20 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:
     mean and invstd: the normalized value, the batch norm's output and the tail's values are rebuilt from
     them in the backward's own pass, never saved; the scale, gamma, beta and the tail's tensor operands;
     and the chain's output where the backward reads it: with softmax, the probabilities, whose rebuild
-    would cost a second exp pass. A relu's mask is rebuilt from y and the statistics with the forward
-    kernel's arithmetic and rounding: the output, otherwise held until this backward, is then free once
-    the next layer's weight gradient has read it."""
+    would cost a second exp pass; with a tail of one 16-bit relu, its sign (eager's ReLU reads its output;
+    a 16-bit value can round to 0 where its fp32 source is positive, and recompute.py rebuilds it rather
+    than saving it). An fp32 relu's mask is rebuilt from y and the statistics with the forward kernel's
+    arithmetic: the output, otherwise held until this backward, is then free once the next layer's weight
+    gradient has read it."""
     args = unflatten(inputs)
     outputs = ChainOutputs(*output)
     ctx.mark_non_differentiable(outputs.new_running_mean, outputs.new_running_var, outputs.linear_out,
                                 outputs.mean, outputs.invstd, outputs.compute_weight)
     lin, bn = args.linear, args.batch_norm
     weight = outputs.compute_weight if args.returns_compute_weight else lin.weight
-    out = outputs.out if args.softmax else None
+    relu_from_output = (pointwise.is_single_relu(args.tail.program) and not args.softmax
+                        and outputs.out.dtype in SIXTEEN_BIT)
+    out = outputs.out if args.softmax or relu_from_output else None
     ctx.save_for_backward(lin.x, weight, args.scale_before.tensor, bn.weight, bn.bias, *args.tail.tensors,
                           outputs.linear_out, outputs.mean, outputs.invstd, out)
     ctx.training, ctx.eps, ctx.save_linear_out, ctx.softmax = bn.training, bn.eps, args.save_linear_out, args.softmax
@@ -46,7 +53,7 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:
     # An fp32 weight under autocast gets an fp32 gradient straight from the dW GEMM's accumulators.
     ctx.weight_grad_dtype = lin.weight.dtype if lin.casts_weight else None
     ctx.kernel = args.kernel
-    ctx.out_dtype = outputs.out.dtype
+    ctx.relu_from_output = relu_from_output
 
 
 def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tuple:
@@ -63,10 +70,12 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
         probs = out.float()
         g = probs * (g - (g * probs).sum(1, keepdim=True))
     grads = {}
-    if ctx.tail_program:  # through the pointwise tail, recomputed from the batch norm's output
+    if ctx.relu_from_output:
+        g = aten.threshold_backward(g, out.to(g.dtype), 0)
+    elif ctx.tail_program:  # through the pointwise tail, recomputed from the batch norm's output
         bn_out = affine(x_hat, BatchNorm(bn_weight, bn_bias, None, None, ctx.training, 0.0, ctx.eps))
         if pointwise.is_single_relu(ctx.tail_program):
-            g = _relu_backward(g, bn_out.to(ctx.out_dtype))
+            g = _relu_backward(g, bn_out)
         else:
             values = pointwise.run(ctx.tail_program, bn_out, tail_tensors)
             g, tensor_grads = pointwise.backward(ctx.tail_program, values, g, tail_tensors, softmax_probs=probs)
@@ -107,13 +116,9 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
 
 
 def _relu_backward(g: Tensor, bn_out: Tensor) -> Tensor:
-    """threshold_backward(g, relu(bn_out), 0) for bn_out in the output's dtype (a positive value that a
-    16-bit output rounds to 0 passes no gradient, as in eager; a compiled graph may compare before that
-    rounding unless Inductor's `emulate_precision_casts` is set, which differs for fp16 values below
-    6e-8 only), its mask stored as one byte per element.
-    Unstored, the masked gradient, which several kernels read, would be stored in fp32: Inductor stores
-    such a value once it reads more than `realize_reads_threshold` (4) buffers, here y, mean, invstd,
-    gamma, beta, g."""
+    """threshold_backward(g, relu(bn_out), 0), its mask stored as one byte per element. Unstored, the
+    masked gradient, which several kernels read, would be stored in fp32: Inductor stores such a value
+    once it reads more than `realize_reads_threshold` (4) buffers, here y, mean, invstd, gamma, beta, g."""
     return g.masked_fill(stored(bn_out <= 0), 0)
 
 

@@ -287,8 +287,8 @@ def program_text(instructions) -> str:
 
 
 def is_single_relu(program: str) -> bool:
-    """Whether the tail is one relu of the batch norm's output: its derivative then reads only the sign
-    of that output, which the backward stores in one byte per element (backward.py)."""
+    """Whether the tail is one relu of the batch norm's output: its derivative is then eager's
+    threshold_backward on the chain's own output, whose sign is all it reads."""
     instructions = parse(program)
     return len(instructions) == 1 and instructions[0].op.name == "relu"
 

@@ -2,11 +2,10 @@
 
 A chain's backward reads its linear output and per-feature statistics (backward.py). Its output is read
 again only by what follows: the next layer's weight gradient (an MLP's hidden layer is the next one's
-input; a ReLU tail's mask is rebuilt from the linear output, backward.py). Saved, it is one more (N, F)
-tensor per chain held from the forward to the backward, the one tensor a fused chain could hold less
-than Inductor's code for the same layers. Rebuilt, it is one output pass in the backward (a read of y
-and a write of the output), the kernel that made it in the forward, on the linear output and statistics
-that are saved anyway.
+input) or, with a single ReLU tail, the ReLU's mask. Saved, it is one more (N, F) tensor per chain held
+from the forward to the backward, the one tensor a fused chain could hold less than Inductor's code for
+the same layers. Rebuilt, it is one output pass in the backward (a read of y and a write of the output),
+the kernel that made it in the forward, on the linear output and statistics that are saved anyway.
 
 The rebuild is asked of the partitioner, which decides what the forward saves: a pass over the joint
 graph (`joint_custom_pre_pass`, which Inductor runs before partitioning) tags the output pass's kernel,
