@@ -18,10 +18,10 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fusepass.lowering import linear, pointwise, sync
 from fusepass.lowering.launch import stored
 from fusepass.lowering.reference import affine
-from fusepass.lowering.schema import BatchNorm, ChainArgs, ChainOutputs, Scale, gradients_in_op_order, unflatten
+from fusepass.lowering.schema import (FLOAT16_DTYPES, BatchNorm, ChainArgs, ChainOutputs, Scale, gradients_in_op_order,
+                                      unflatten)
 
 aten = torch.ops.aten
-SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def setup_context(ctx, inputs: tuple, output: tuple) -> None:
@@ -42,7 +42,7 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:
     lin, bn = args.linear, args.batch_norm
     weight = outputs.compute_weight if args.returns_compute_weight else lin.weight
     relu_from_output = (pointwise.is_single_relu(args.tail.program) and not args.softmax
-                        and outputs.out.dtype in SIXTEEN_BIT)
+                        and outputs.out.dtype in FLOAT16_DTYPES)
     out = outputs.out if args.softmax or relu_from_output else None
     ctx.save_for_backward(lin.x, weight, args.scale_before.tensor, bn.weight, bn.bias, *args.tail.tensors,
                           outputs.linear_out, outputs.mean, outputs.invstd, out)

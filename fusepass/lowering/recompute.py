@@ -33,11 +33,12 @@ from torch.fx import Graph, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fusepass.lowering.normalize_kernels import normalize_kernel
+from fusepass.lowering.schema import FLOAT16_DTYPES
 from fusepass.lowering.tuning import source_hash
 
 # The output pass's output pointer: the functional kernel call returns its copy under this name.
 OUTPUT_ARGUMENT = "out_ptr"
-REBUILT_DTYPES = (torch.bfloat16, torch.float16)
+REBUILT_DTYPES = FLOAT16_DTYPES
 _BUFFER_FACTORIES = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                      torch.ops.aten.empty_like.default)
 
