@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusepass.lowering import gemm, gemm_configs, limits, tuning
+from fusepass.lowering import gemm, gemm_configs, limits, tuning, warp_specialized_gemm
 from fusepass.lowering.choice import cublas_traceable, gemm_option, matmul_precision, triton_configs
 from fusepass.lowering.gemm_precisions import prepared, prepared_variant, prepares
 from fusepass.lowering.implementations import cublas_precision
@@ -75,6 +75,10 @@ class LinearImplementation:
         if self.config is None:
             with cublas_precision(self.precision):
                 return _library_linear(x, weight, bias, _out_dtype(call))
+        if self.config.warp_specialized:
+            rows = _block_rows(Linear(x, weight, bias), self.precision, self.config)
+            return torch.ops.fusepass.warp_specialized_linear(x, weight, rows, self.config.block_k,
+                                                              self.config.num_stages)
         if self.k_major_copies:
             x, weight = _k_major_copy(x), _k_major_copy(weight)
         return run_in_blocks(Linear(x, weight, bias), self.precision, self.config, out_dtype=_out_dtype(call))
@@ -89,8 +93,11 @@ class LinearImplementation:
         empty = limits.first(*(limits.some_rows(size) for size in (*call.x.shape, call.weight.shape[0])))
         if empty:
             return empty
-        return limits.first(limits.off_device(call.x.device, (call.weight, call.bias)),
-                            gemm.unlaunchable(call.x, call.weight, self.precision, self.config),
+        if self.config.warp_specialized:
+            kernel = warp_specialized_gemm.unlaunchable(call.x, call.weight, call.bias, _out_dtype(call))
+        else:
+            kernel = gemm.unlaunchable(call.x, call.weight, self.precision, self.config)
+        return limits.first(limits.off_device(call.x.device, (call.weight, call.bias)), kernel,
                             _copy_past_limit(call, self.precision, self.config))
 
 
@@ -271,6 +278,8 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
             precisions = [precision, variant] if k_major else [variant] + ([precision] if search == "full" else [])
         found += [LinearImplementation(p, config) for p, config in
                   triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
+        if "split_w" in precisions:
+            found += [LinearImplementation("split_w", config) for config in gemm_configs.WARP_SPECIALIZED]
         if not k_major and search == "full" and copies:
             found.append(LinearImplementation(precision, gemm_configs.candidates(precision, x.dtype)[0], True))
         found = [impl for impl in found if impl.unlaunchable(call) is None]
