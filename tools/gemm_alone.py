@@ -1,7 +1,8 @@
 """fusepass's Triton GEMM alone (y = x @ W^T, no epilogue) against cuBLAS, per precision, at the seed
 shapes and the MLP's layers: for each, cuBLAS's time and fusepass's best tile config (every candidate the
 full search would time, gemm_configs.candidates; in fp32 also the variants with an operand prepared in
-memory, split or rounded, the preparation included), TFLOP/s and the fraction of the GPU's dense peak.
+memory, split or rounded, the preparation included; in 3xTF32 also split_w on the warp-specialized Gluon
+kernel, as the linear op runs it), TFLOP/s and the fraction of the GPU's dense peak.
 GPU only.
 
     python tools/gemm_alone.py [--json FILE] [--shapes M,K,N ...] [--precisions bf16 tf32 tf32x3]
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 import triton
 from tabulate import tabulate
 
-from fusepass.lowering import gemm, gemm_configs
+from fusepass.lowering import gemm, gemm_configs, linear
 from fusepass.lowering.schema import Linear
 from fusepass.measure import source_commit
 from fusepass.numerics import rel_error
@@ -69,10 +70,24 @@ def measure(m: int, k: int, n: int, precision: str) -> dict:
         if best is None or ms < best[0]:
             best = (ms, f"{kernel_precision} {config.describe()}",
                     rel_error(gemm.run_gemm(linear, kernel_precision, config).y, exact))
+    if precision == "tf32x3":
+        best = min(best, _warp_specialized(x, w, exact))
     ms, config, err = best
     return dict(m=m, k=k, n=n, precision=precision, cublas_ms=cublas_ms, cublas_tflops=flop / cublas_ms / 1e9,
                 cublas_rel_err=cublas_err, fusepass_config=config, fusepass_ms=ms, fusepass_tflops=flop / ms / 1e9,
                 fusepass_rel_err=err, vs_cublas=cublas_ms / ms, of_peak=flop / ms * 1e3 / PEAKS[precision])
+
+
+def _warp_specialized(x, w, exact) -> tuple[float, str, float]:
+    """The best of split_w's warp-specialized configs (the linear op's), W's split included: (ms, config,
+    error); W's blocks are the linear op's."""
+    times = []
+    for config in gemm_configs.WARP_SPECIALIZED:
+        impl = linear.LinearImplementation("split_w", config)
+        call = linear.LinearCall(x, w, None, "tf32x3", "triton")
+        if impl.unlaunchable(call) is None:
+            times.append((bench(lambda: impl(call)), f"split_w {config.describe()}", rel_error(impl(call), exact)))
+    return min(times, default=(float("inf"), "", float("nan")))
 
 
 def parser() -> argparse.ArgumentParser:
