@@ -171,6 +171,7 @@ def warp_specialized_linear(x: Tensor, weight: Tensor, block_rows: int, block_k:
     for n0 in range(0, n, block_rows):
         hi, lo = split_tf32(weight[n0:n0 + block_rows])
         gemm_into(y[:, n0:], x, hi, lo, k, block_k, stages)
+        del hi, lo  # before the next block's split is made: one block's copies at a time
     return y
 
 
