@@ -794,7 +794,9 @@ GEMM_INTRO = (
     "memory included where that variant is fastest), against cuBLAS's IEEE fp32, eager's fp32. fusepass's "
     "column is its fastest tile config (every candidate of the full search; a `tma` config serves only calls the "
     "op runs opaquely, as traced launches cannot carry host-made TMA descriptors; a `persistent` one makes "
-    "its descriptors in the kernel and serves both). \"of peak\": fusepass's TFLOP/s "
+    "its descriptors in the kernel and serves both; a `warp-specialized` one is split_w on the Gluon kernel "
+    "the linear op runs behind an opaque custom op, W's split in the linear op's blocks included). "
+    "\"of peak\": fusepass's TFLOP/s "
     "over the data sheet's dense peak (bf16 989, TF32 495, 3xTF32 a third of TF32's: 165). Issue 26's "
     "targets: bf16 ≥ 0.95× cuBLAS, TF32 ≥ 0.90×, 3xTF32 ≥ 130 TFLOP/s.")
 
