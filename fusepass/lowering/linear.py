@@ -262,7 +262,8 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
     3xTF32 split in registers made 39 (tools/tune_linear.py at 1024 x 8192 -> 8192 and 16384 x 4096 ->
     4096). The full search also times the precision itself, and the GEMM on K-major copies of the
     operands. With operand copies forbidden (kernel_operand_copies=False), neither: the precision itself
-    (on strided loads), and cuBLAS."""
+    (on strided loads), and cuBLAS. Where split_w is offered, also split_w on the warp-specialized Gluon kernel
+    (warp_specialized_gemm.py), which runs only where x is K-major on an sm_90 GPU."""
     x, weight = call.x, call.weight
     m, k, n = _gemm_sizes(call, problem)
     precision = _precision(call)

@@ -7,9 +7,10 @@ for the block's wgmmas. With `tl.dot`, triton 3.6 then waits for every wgmma (`w
 second accumulator to add one block late is serialized by ptxas ("non wgmma instructions reading
 accumulator registers"). Here one loader warp feeds two consumer warpgroups of 64 rows each through
 mbarriers; they are not in lockstep, so one warpgroup's add and split run while the other's wgmmas hold
-the tensor cores. Measured on an H100 (scratch probe, L2 flushed, the split of W not included):
-1024 x 8192 -> 8192 1.027 ms (134 TFLOP/s) against 1.268 for the same math in one warpgroup pair without
-specialization; 16384 x 4096 -> 4096 4.227 against 5.362.
+the tensor cores. Measured on an H100 with W already split: 130-136 TFLOP/s at 1024 x 8192 -> 8192,
+16384 x 4096 -> 4096 and 4096 x 4096 -> 4096, against 103-108 for the same math with one warpgroup pair in
+lockstep (1024 x 8192 -> 8192: 1.027 against 1.268 ms); with the split in the linear op's blocks,
+BENCHMARKS.md "GEMM alone".
 
 Its one user is the linear op (linear.py: a training step's input gradients and bare linears), through
 `torch.ops.fusepass.warp_specialized_linear`, an opaque custom op: Inductor cannot trace a Gluon kernel
