@@ -8,7 +8,7 @@ second accumulator to add one block late is serialized by ptxas ("non wgmma inst
 accumulator registers"). Here one loader warp feeds two consumer warpgroups of 64 rows each through
 mbarriers; they are not in lockstep, so one warpgroup's add and split run while the other's wgmmas hold
 the tensor cores. Measured on an H100 with W already split: 130-136 TFLOP/s at 1024 x 8192 -> 8192,
-16384 x 4096 -> 4096 and 4096 x 4096 -> 4096, against 103-108 for the same math with one warpgroup pair in
+16384 x 4096 -> 4096 and 4096 x 4096 -> 4096, against 96-108 for the same math with one warpgroup pair in
 lockstep (1024 x 8192 -> 8192: 1.027 against 1.268 ms); with the split in the linear op's blocks,
 BENCHMARKS.md "GEMM alone".
 
