@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 from tabulate import tabulate
 
-from fusepass.lowering import gemm, gemm_configs, linear
+from fusepass.lowering import gemm, gemm_configs, linear, warp_specialized_gemm
 from fusepass.lowering.schema import Linear
 from fusepass.measure import source_commit
 from fusepass.numerics import rel_error
@@ -62,14 +62,14 @@ def measure(m: int, k: int, n: int, precision: str) -> dict:
     cublas_err = rel_error(F.linear(x, w), exact)
     torch.backends.cuda.matmul.allow_tf32 = False
     best = None
+    product = Linear(x, w, None)
     for kernel_precision, config in candidates(precision):
-        linear = Linear(x, w, None)
         if gemm.unlaunchable(x, w, kernel_precision, config):
             continue
-        ms = bench(lambda: gemm.run_gemm(linear, kernel_precision, config))
+        ms = bench(lambda: gemm.run_gemm(product, kernel_precision, config))
         if best is None or ms < best[0]:
             best = (ms, f"{kernel_precision} {config.describe()}",
-                    rel_error(gemm.run_gemm(linear, kernel_precision, config).y, exact))
+                    rel_error(gemm.run_gemm(product, kernel_precision, config).y, exact))
     if precision == "tf32x3":
         best = min(best, _warp_specialized(x, w, exact))
     ms, config, err = best
@@ -82,9 +82,9 @@ def _warp_specialized(x, w, exact) -> tuple[float, str, float]:
     """The best of split_w's warp-specialized configs (the linear op's), W's split included: (ms, config,
     error); W's blocks are the linear op's."""
     times = []
-    for config in gemm_configs.WARP_SPECIALIZED:
+    call = linear.LinearCall(x, w, None, "tf32x3", "triton")
+    for config in warp_specialized_gemm.CONFIGS:
         impl = linear.LinearImplementation("split_w", config)
-        call = linear.LinearCall(x, w, None, "tf32x3", "triton")
         if impl.unlaunchable(call) is None:
             times.append((bench(lambda: impl(call)), f"split_w {config.describe()}", rel_error(impl(call), exact)))
     return min(times, default=(float("inf"), "", float("nan")))

@@ -63,12 +63,6 @@ def candidates(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
     return configs + [_persistent(precision, configs[0]), configs[0].with_tma()]
 
 
-# split_w's configs on the warp-specialized kernel (128 x 128 tiles, two consumer warpgroups): on an H100,
-# 130-134 TFLOP/s at 32 x 4 stages, 129-136 at 64 x 2, depending on the shape.
-WARP_SPECIALIZED = [GemmConfig(128, 128, 32, 8, 4, 4, warp_specialized=True),
-                    GemmConfig(128, 128, 64, 8, 4, 2, warp_specialized=True)]
-
-
 def _persistent(precision: str, first: GemmConfig) -> GemmConfig:
     """The persistent candidate: on the first's tiles, but round_w's 128 x 256 tiles, which persistent
     need 262 KB of shared memory (an H100 has 227), give way to 256 x 128.

@@ -280,7 +280,7 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
         found += [LinearImplementation(p, config) for p, config in
                   triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
         if "split_w" in precisions:
-            found += [LinearImplementation("split_w", config) for config in gemm_configs.WARP_SPECIALIZED]
+            found += [LinearImplementation("split_w", config) for config in warp_specialized_gemm.CONFIGS]
         if not k_major and search == "full" and copies:
             found.append(LinearImplementation(precision, gemm_configs.candidates(precision, x.dtype)[0], True))
         found = [impl for impl in found if impl.unlaunchable(call) is None]

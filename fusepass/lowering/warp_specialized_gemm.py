@@ -27,6 +27,7 @@ import triton
 from torch import Tensor
 
 from fusepass.lowering import limits
+from fusepass.lowering.gemm_configs import GemmConfig
 from fusepass.lowering.tf32_split import split_tf32
 
 try:
@@ -44,6 +45,11 @@ OP_NAME = "fusepass::warp_specialized_linear"
 CONSUMER_REGISTERS = 232  # per thread of a consumer warpgroup: two 64 x 128 fp32 accumulators and the split tile
 LOADER_REGISTERS = 40
 GROUP_M = 8
+TILE = 128  # output tile rows (two consumer warpgroups of 64) and columns (one wgmma's N)
+# The kernel's configs, the linear op's candidates (H100, W already split): 130-134 TFLOP/s at 32-wide K blocks
+# in 4 stages, 129-136 at 64 in 2, depending on the shape.
+CONFIGS = [GemmConfig(TILE, TILE, 32, GROUP_M, 4, 4, warp_specialized=True),
+           GemmConfig(TILE, TILE, 64, GROUP_M, 4, 2, warp_specialized=True)]
 
 
 def unlaunchable(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype) -> Optional[str]:
@@ -153,11 +159,11 @@ def _descriptor(t: Tensor, rows: int, cols: int, block: list[int]) -> "TensorDes
 
 
 def gemm_into(y: Tensor, x: Tensor, hi: Tensor, lo: Tensor, k: int, block_k: int, stages: int) -> None:
-    """y = x @ (hi + lo)^T, the halves' first k columns (split_tf32's buffers), in 128 x 128 tiles."""
+    """y = x @ (hi + lo)^T, the halves' first k columns (split_tf32's buffers), in TILE x TILE tiles."""
     m, n = x.shape[0], hi.shape[0]
-    x_desc = _descriptor(x, m, k, [128, block_k])
-    hi_desc, lo_desc = (_descriptor(t, n, k, [128, block_k]) for t in (hi, lo))
-    grid = (triton.cdiv(m, 128) * triton.cdiv(n, 128),)
+    x_desc = _descriptor(x, m, k, [TILE, block_k])
+    hi_desc, lo_desc = (_descriptor(t, n, k, [TILE, block_k]) for t in (hi, lo))
+    grid = (triton.cdiv(m, TILE) * triton.cdiv(n, TILE),)
     _gemm_kernel[grid](x_desc, hi_desc, lo_desc, y, m, n, k, y.stride(0), STAGES=stages, GROUP=GROUP_M,
                        CONSUMER_REGS=CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS, num_warps=4)
 

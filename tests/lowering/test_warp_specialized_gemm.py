@@ -85,7 +85,7 @@ def _split_w_triton(x, w):
 @requires_cuda
 @requires_hopper
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", gemm_configs.WARP_SPECIALIZED, ids=lambda c: c.describe())
+@pytest.mark.parametrize("config", warp_specialized_gemm.CONFIGS, ids=lambda c: c.describe())
 @pytest.mark.parametrize("layout", ["forward", "grad_x"])
 def test_as_exact_as_the_triton_split_gemm_at_partial_tiles(config, layout):
     """1000 x 1004 -> 1300 (K ends in a partial block, the last row and column tiles are partial), W in
@@ -110,7 +110,7 @@ def test_through_the_linear_op_and_a_compiled_graph():
     g = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(777, 512, device="cuda", generator=g)
     w = torch.randn(640, 512, device="cuda", generator=g)
-    impl = linear.LinearImplementation("split_w", gemm_configs.WARP_SPECIALIZED[0])
+    impl = linear.LinearImplementation("split_w", warp_specialized_gemm.CONFIGS[0])
     call = linear.LinearCall(x, w, None, "tf32x3", "auto")
     assert impl.unlaunchable(call) is None
     eager = impl(call)
