@@ -77,9 +77,8 @@ class LinearImplementation:
                 return _library_linear(x, weight, bias, _out_dtype(call))
         if self.config.warp_specialized:
             rows = _block_rows(Linear(x, weight, bias), self.precision, self.config)
-            y = torch.empty((x.shape[0], weight.shape[0]), device=x.device, dtype=torch.float32)
-            torch.ops.fusepass.warp_specialized_linear(x, weight, rows, self.config.block_k, self.config.num_stages, y)
-            return y
+            return torch.ops.fusepass.warp_specialized_linear(x, weight, rows, self.config.block_k,
+                                                              self.config.num_stages)
         if self.k_major_copies:
             x, weight = _k_major_copy(x), _k_major_copy(weight)
         return run_in_blocks(Linear(x, weight, bias), self.precision, self.config, out_dtype=_out_dtype(call))

@@ -168,18 +168,20 @@ def gemm_into(y: Tensor, x: Tensor, hi: Tensor, lo: Tensor, k: int, block_k: int
                        CONSUMER_REGS=CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS, num_warps=4)
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=("out",))
-def warp_specialized_linear(x: Tensor, weight: Tensor, block_rows: int, block_k: int, stages: int, out: Tensor) -> None:
-    """out = x @ weight^T, out fp32 (M, N): W split into tf32 halves block_rows rows at a time (the linear op's
-    bound on its copies), each block's GEMM on the warp-specialized kernel. The caller allocates out, so that
-    traced, Inductor places it (in a dead buffer where it has one) as it places its own kernels' outputs."""
-    k = x.shape[1]
-    for n0 in range(0, weight.shape[0], block_rows):
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def warp_specialized_linear(x: Tensor, weight: Tensor, block_rows: int, block_k: int, stages: int) -> Tensor:
+    """x @ weight^T: W split into tf32 halves block_rows rows at a time (the linear op's bound on its
+    copies), each block's GEMM on the warp-specialized kernel."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
+    for n0 in range(0, n, block_rows):
         hi, lo = split_tf32(weight[n0:n0 + block_rows])
-        gemm_into(out[:, n0:], x, hi, lo, k, block_k, stages)
+        gemm_into(y[:, n0:], x, hi, lo, k, block_k, stages)
         del hi, lo  # before the next block's split is made: one block's copies at a time
+    return y
 
 
 @warp_specialized_linear.register_fake
-def _fake(x: Tensor, weight: Tensor, block_rows: int, block_k: int, stages: int, out: Tensor) -> None:
-    return None
+def _fake(x: Tensor, weight: Tensor, block_rows: int, block_k: int, stages: int) -> Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
