@@ -25,6 +25,7 @@ import triton
 from tabulate import tabulate
 
 from fusepass.lowering import gemm, gemm_configs, linear, warp_specialized_gemm
+from fusepass.lowering.gemm_precisions import PRE_SPLIT
 from fusepass.lowering.schema import Linear
 from fusepass.measure import source_commit
 from fusepass.numerics import rel_error
@@ -79,14 +80,15 @@ def measure(m: int, k: int, n: int, precision: str) -> dict:
 
 
 def _warp_specialized(x, w, exact) -> tuple[float, str, float]:
-    """The best of split_w's warp-specialized configs (the linear op's), W's split included: (ms, config,
-    error); W's blocks are the linear op's."""
+    """The best of the warp-specialized configs (the linear op's), splitting W or x, the split included:
+    (ms, config, error); the split operand's blocks are the linear op's."""
     times = []
     call = linear.LinearCall(x, w, None, "tf32x3", "triton")
-    for config in warp_specialized_gemm.CONFIGS:
-        impl = linear.LinearImplementation("split_w", config)
-        if impl.unlaunchable(call) is None:
-            times.append((bench(lambda: impl(call)), f"split_w {config.describe()}", rel_error(impl(call), exact)))
+    for split in PRE_SPLIT:
+        for config in warp_specialized_gemm.CONFIGS:
+            impl = linear.LinearImplementation(split, config)
+            if impl.unlaunchable(call) is None:
+                times.append((bench(lambda: impl(call)), f"{split} {config.describe()}", rel_error(impl(call), exact)))
     return min(times, default=(float("inf"), "", float("nan")))
 
 

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from fusepass.lowering import gemm, gemm_configs, limits, tuning, warp_specialized_gemm
 from fusepass.lowering.choice import cublas_traceable, gemm_option, matmul_precision, triton_configs
-from fusepass.lowering.gemm_precisions import prepared, prepared_variant, prepares
+from fusepass.lowering.gemm_precisions import PRE_SPLIT, prepared, prepared_variant, prepares
 from fusepass.lowering.implementations import cublas_precision
 from fusepass.lowering.launch import hint, stored
 from fusepass.lowering.schema import FLOAT16_DTYPES, KernelOptions, Linear
@@ -76,8 +76,9 @@ class LinearImplementation:
             with cublas_precision(self.precision):
                 return _library_linear(x, weight, bias, _out_dtype(call))
         if self.config.warp_specialized:
-            rows = _block_rows(Linear(x, weight, bias), self.precision, self.config)
-            return torch.ops.fusepass.warp_specialized_linear(x, weight, rows, self.config.block_k,
+            split = prepared(self.precision).operand
+            rows = _warp_specialized_block_rows(Linear(x, weight, bias), split, self.config)
+            return torch.ops.fusepass.warp_specialized_linear(x, weight, split, rows, self.config.block_k,
                                                               self.config.num_stages)
         if self.k_major_copies:
             x, weight = _k_major_copy(x), _k_major_copy(weight)
@@ -94,7 +95,8 @@ class LinearImplementation:
         if empty:
             return empty
         if self.config.warp_specialized:
-            kernel = warp_specialized_gemm.unlaunchable(call.x, call.weight, call.bias, _out_dtype(call))
+            kernel = warp_specialized_gemm.unlaunchable(call.x, call.weight, call.bias, _out_dtype(call),
+                                                        prepared(self.precision).operand)
         else:
             kernel = gemm.unlaunchable(call.x, call.weight, self.precision, self.config)
         return limits.first(limits.off_device(call.x.device, (call.weight, call.bias)), kernel,
@@ -152,6 +154,13 @@ def _block_rows(linear: Linear, precision: str, config: gemm_configs.GemmConfig,
                max(1, block_tiles // row_tiles) * config.block_n)
 
 
+def _warp_specialized_block_rows(linear: Linear, split: str, config: gemm_configs.GemmConfig) -> int:
+    """Rows of the split operand per launch of the warp-specialized GEMM: run_in_blocks's for W, and for x
+    the same rule with the roles swapped (the kernel computes y^T = W @ x^T)."""
+    swapped = linear if split == "weight" else Linear(linear.weight, linear.x, None)
+    return _block_rows(swapped, "split_w", config)
+
+
 def _copy_past_limit(call: LinearCall, precision: str, config: gemm_configs.GemmConfig) -> Optional[str]:
     """Why the call's operand prepared in memory (gemm_precisions.py) would copy more than SPLIT_COPY_LIMIT
     at once, or None: x whole, or a block of W's rows. Compared on the call's own sizes: traced with a
@@ -161,7 +170,10 @@ def _copy_past_limit(call: LinearCall, precision: str, config: gemm_configs.Gemm
     how = prepared(precision)
     if how is None:
         return None
-    if how.operand == "x":
+    if config.warp_specialized:
+        split_rows = min((x if how.operand == "x" else weight).shape[0],
+                         _warp_specialized_block_rows(Linear(x, weight, None), how.operand, config))
+    elif how.operand == "x":
         split_rows = x.shape[0]
     else:
         split_rows = min(weight.shape[0], _block_rows(Linear(x, weight, None), precision, config))
@@ -262,8 +274,8 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
     3xTF32 split in registers made 39 (tools/tune_linear.py at 1024 x 8192 -> 8192 and 16384 x 4096 ->
     4096). The full search also times the precision itself, and the GEMM on K-major copies of the
     operands. With operand copies forbidden (kernel_operand_copies=False), neither: the precision itself
-    (on strided loads), and cuBLAS. Where split_w is offered, also split_w on the warp-specialized Gluon kernel
-    (warp_specialized_gemm.py), which runs only where x is K-major on an sm_90 GPU."""
+    (on strided loads), and cuBLAS. Where an operand may be split in memory, also the warp-specialized
+    Gluon kernel (warp_specialized_gemm.py) splitting either one, on an sm_90 GPU."""
     x, weight = call.x, call.weight
     m, k, n = _gemm_sizes(call, problem)
     precision = _precision(call)
@@ -279,8 +291,9 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
             precisions = [precision, variant] if k_major else [variant] + ([precision] if search == "full" else [])
         found += [LinearImplementation(p, config) for p, config in
                   triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
-        if "split_w" in precisions:
-            found += [LinearImplementation("split_w", config) for config in warp_specialized_gemm.CONFIGS]
+        if variant in PRE_SPLIT and copies:
+            found += [LinearImplementation(split, config) for split in PRE_SPLIT
+                      for config in warp_specialized_gemm.CONFIGS]
         if not k_major and search == "full" and copies:
             found.append(LinearImplementation(precision, gemm_configs.candidates(precision, x.dtype)[0], True))
         found = [impl for impl in found if impl.unlaunchable(call) is None]

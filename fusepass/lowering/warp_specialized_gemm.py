@@ -1,5 +1,9 @@
-"""A warp-specialized 3xTF32 GEMM for Hopper, in Gluon: y = x @ W^T in fp32, W split into tf32 hi + lo in
-memory (split_w), the x tile split in registers.
+"""A warp-specialized 3xTF32 GEMM for Hopper, in Gluon: y = x @ W^T in fp32, one operand split into tf32
+hi + lo in memory, the other's tile split in registers. The kernel computes out = a @ b^T with b split:
+b = W (split_w, out = y) or b = x (split_x, out = y^T = W @ x^T, stored through y's transposed strides). Its
+`a` is read K-major or MN-major (a transposed view: TMA loads the tile of a^T, and the consumers read it
+from shared memory transposed), so a weight gradient, g^T @ x, whose operands are both transposed views,
+and an input gradient, g @ W, split either operand without copying the other.
 
 Why Gluon: each K block's three tf32 products go into a fresh accumulator that is added to the running
 sum in fp32 (gemm._three_pass_dot: the tensor cores' own accumulation truncates), and that add must wait
@@ -12,10 +16,10 @@ the tensor cores. Measured on an H100 with W already split: 130-136 TFLOP/s at 1
 lockstep (1024 x 8192 -> 8192: 1.027 against 1.268 ms); with the split in the linear op's blocks,
 BENCHMARKS.md "GEMM alone".
 
-Its one user is the linear op (linear.py: a training step's input gradients and bare linears), through
-`torch.ops.fusepass.warp_specialized_linear`, an opaque custom op: Inductor cannot trace a Gluon kernel
-(its user-kernel support reads Triton's TTIR), so the compiled graph calls the op, which splits W in
-blocks of `block_rows` and launches the kernel for each.
+Its one user is the linear op (linear.py: a training step's GEMMs outside a chain's forward, and bare
+linears), through `torch.ops.fusepass.warp_specialized_linear`, an opaque custom op: Inductor cannot trace
+a Gluon kernel (its user-kernel support reads Triton's TTIR), so the compiled graph calls the op, which
+splits the chosen operand in blocks of `block_rows` rows and launches the kernel for each.
 """
 
 from __future__ import annotations
@@ -52,9 +56,14 @@ CONFIGS = [GemmConfig(TILE, TILE, 32, GROUP_M, 4, 4, warp_specialized=True),
            GemmConfig(TILE, TILE, 64, GROUP_M, 4, 2, warp_specialized=True)]
 
 
-def unlaunchable(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype) -> Optional[str]:
-    """Why x @ weight^T cannot run on this kernel, or None: it needs Gluon, an sm_90 GPU (wgmma), fp32
-    operands and output, no bias, and x K-major as TMA reads it (W is read from its split)."""
+SPLIT_OPERANDS = ("weight", "x")  # which operand of x @ W^T the op splits in memory
+
+
+def unlaunchable(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype, split: str = "weight"
+                 ) -> Optional[str]:
+    """Why x @ weight^T with `split` split in memory cannot run on this kernel, or None: it needs Gluon, an
+    sm_90 GPU (wgmma), fp32 operands and output, no bias, and the other operand K-major or MN-major as TMA
+    reads it (the split operand is read from its split)."""
     if gluon is None:
         return "this Triton has no Gluon"
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
@@ -63,7 +72,9 @@ def unlaunchable(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_dtype: t
         return "the warp-specialized GEMM is fp32's (3xTF32)"
     if bias is not None:
         return "the warp-specialized GEMM adds no bias"
-    return limits.tma_layout(x)
+    a = x if split == "weight" else weight
+    k_major = limits.tma_layout(a)
+    return k_major and limits.tma_layout(a.t()) and f"{k_major}, nor does its transpose"
 
 
 if gluon is not None:
@@ -76,22 +87,26 @@ if gluon is not None:
         return hi, a - hi
 
     @gluon.jit
-    def _loader(x_desc, hi_desc, lo_desc, x_bufs, hi_bufs, lo_bufs, ready, empty, off_m, off_n, k_steps,
-                STAGES: gl.constexpr):
-        """Fills stage after stage once both consumers have released it (empty), with x's tile and W's two."""
-        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    def _loader(a_desc, hi_desc, lo_desc, a_bufs, hi_bufs, lo_bufs, ready, empty, off_m, off_n, k_steps,
+                STAGES: gl.constexpr, A_K_MAJOR: gl.constexpr):
+        """Fills stage after stage once both consumers have released it (empty), with a's tile and b's two."""
+        BLOCK_K: gl.constexpr = hi_desc.block_type.shape[1]
         for i in range(k_steps):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * hi_desc.block_type.nbytes)
-            _tma_load(x_desc, [off_m, i * BLOCK_K], bar, x_bufs.index(s))
+            mbarrier.expect(bar, a_desc.block_type.nbytes + 2 * hi_desc.block_type.nbytes)
+            if A_K_MAJOR:
+                _tma_load(a_desc, [off_m, i * BLOCK_K], bar, a_bufs.index(s))
+            else:
+                _tma_load(a_desc, [i * BLOCK_K, off_m], bar, a_bufs.index(s))
             _tma_load(hi_desc, [off_n, i * BLOCK_K], bar, hi_bufs.index(s))
             _tma_load(lo_desc, [off_n, i * BLOCK_K], bar, lo_bufs.index(s))
 
     @gluon.jit
-    def _consumer(x_bufs, hi_bufs, lo_bufs, ready, empty, y_ptr, M, N, stride_ym, off_m, off_n, k_steps,
-                  ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _consumer(a_bufs, hi_bufs, lo_bufs, ready, empty, out_ptr, M, N, stride_om, stride_on, off_m, off_n, k_steps,
+                  ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  A_K_MAJOR: gl.constexpr):
         """ROWS rows of the output tile from ROW0: per K block, three wgmmas into a fresh accumulator,
         waited for, the stage released, the block added in fp32."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -102,7 +117,11 @@ if gluon is not None:
         for i in range(k_steps):
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            a_hi, a_lo = _tf32_split(x_bufs.index(s).slice(ROW0, ROWS).load(a_layout))
+            if A_K_MAJOR:
+                a_tile = a_bufs.index(s).slice(ROW0, ROWS)
+            else:
+                a_tile = a_bufs.index(s).slice(ROW0, ROWS, dim=1).permute((1, 0))
+            a_hi, a_lo = _tf32_split(a_tile.load(a_layout))
             b_hi = hi_bufs.index(s).permute((1, 0))
             block = warpgroup_mma(a_lo, b_hi, unused, use_acc=False, is_async=True)
             block = warpgroup_mma(a_hi, lo_bufs.index(s).permute((1, 0)), block, is_async=True)
@@ -112,18 +131,17 @@ if gluon is not None:
             acc = acc + block
         rows = off_m + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout))
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-        offsets = rows[:, None].to(gl.int64) * stride_ym + cols[None, :]
-        gl.store(y_ptr + offsets, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+        offsets = rows[:, None].to(gl.int64) * stride_om + cols[None, :].to(gl.int64) * stride_on
+        gl.store(out_ptr + offsets, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @gluon.jit
     def _gemm_kernel(
-        x_desc, hi_desc, lo_desc,  # descriptors: x (M, K), W's tf32 halves (N, K)
-        y_ptr,  # pointer: y (M, N), rows stride_ym apart
-        M, N, K, stride_ym,  # sizes, stride
-        STAGES: gl.constexpr, GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+        a_desc, hi_desc, lo_desc,  # descriptors: a (M, K) K-major, or a^T (K, M); b's tf32 halves (N, K)
+        out_ptr,  # pointer: out (M, N)
+        M, N, K, stride_om, stride_on,  # sizes, strides
+        BLOCK_M: gl.constexpr, A_K_MAJOR: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     ):
-        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = hi_desc.block_type.shape[0]
         pid = gl.program_id(0)
         num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -133,7 +151,7 @@ if gluon is not None:
         off_m = (first_m + (pid % tiles_in_group) % group_rows) * BLOCK_M
         off_n = ((pid % tiles_in_group) // group_rows) * BLOCK_N
 
-        x_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+        a_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         hi_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + hi_desc.block_type.shape, hi_desc.layout)
         lo_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + hi_desc.block_type.shape, hi_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -141,15 +159,15 @@ if gluon is not None:
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # one arrive per consumer warpgroup
-        k_steps = gl.cdiv(K, BLOCK_K)
+        k_steps = gl.cdiv(K, hi_desc.block_type.shape[1])
         rows: gl.constexpr = BLOCK_M // 2
         gl.warp_specialize([
-            (_consumer, (x_bufs, hi_bufs, lo_bufs, ready, empty, y_ptr, M, N, stride_ym, off_m, off_n, k_steps, 0, rows,
-                         BLOCK_N, STAGES)),
-            (_consumer, (x_bufs, hi_bufs, lo_bufs, ready, empty, y_ptr, M, N, stride_ym, off_m, off_n, k_steps, rows,
-                         rows, BLOCK_N, STAGES)),
-            (_loader, (x_desc, hi_desc, lo_desc, x_bufs, hi_bufs, lo_bufs, ready, empty, off_m, off_n, k_steps,
-                       STAGES)),
+            (_consumer, (a_bufs, hi_bufs, lo_bufs, ready, empty, out_ptr, M, N, stride_om, stride_on, off_m, off_n,
+                         k_steps, 0, rows, BLOCK_N, STAGES, A_K_MAJOR)),
+            (_consumer, (a_bufs, hi_bufs, lo_bufs, ready, empty, out_ptr, M, N, stride_om, stride_on, off_m, off_n,
+                         k_steps, rows, rows, BLOCK_N, STAGES, A_K_MAJOR)),
+            (_loader, (a_desc, hi_desc, lo_desc, a_bufs, hi_bufs, lo_bufs, ready, empty, off_m, off_n, k_steps,
+                       STAGES, A_K_MAJOR)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -158,30 +176,34 @@ def _descriptor(t: Tensor, rows: int, cols: int, block: list[int]) -> "TensorDes
     return TensorDescriptor(t, [rows, cols], [t.stride(0), 1], block, layout)
 
 
-def gemm_into(y: Tensor, x: Tensor, hi: Tensor, lo: Tensor, k: int, block_k: int, stages: int) -> None:
-    """y = x @ (hi + lo)^T, the halves' first k columns (split_tf32's buffers), in TILE x TILE tiles."""
-    m, n = x.shape[0], hi.shape[0]
-    x_desc = _descriptor(x, m, k, [TILE, block_k])
+def gemm_into(out: Tensor, a: Tensor, hi: Tensor, lo: Tensor, k: int, block_k: int, stages: int) -> None:
+    """out = a @ (hi + lo)^T, the halves' first k columns (split_tf32's buffers), in TILE x TILE tiles; out of
+    any strides, a K-major or else MN-major."""
+    m, n = a.shape[0], hi.shape[0]
+    a_k_major = limits.tma_layout(a) is None
+    a_desc = _descriptor(a, m, k, [TILE, block_k]) if a_k_major else _descriptor(a.t(), k, m, [block_k, TILE])
     hi_desc, lo_desc = (_descriptor(t, n, k, [TILE, block_k]) for t in (hi, lo))
     grid = (triton.cdiv(m, TILE) * triton.cdiv(n, TILE),)
-    _gemm_kernel[grid](x_desc, hi_desc, lo_desc, y, m, n, k, y.stride(0), STAGES=stages, GROUP=GROUP_M,
-                       CONSUMER_REGS=CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS, num_warps=4)
+    _gemm_kernel[grid](a_desc, hi_desc, lo_desc, out, m, n, k, out.stride(0), out.stride(1), BLOCK_M=TILE,
+                       A_K_MAJOR=a_k_major, STAGES=stages, GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGISTERS,
+                       LOADER_REGS=LOADER_REGISTERS, num_warps=4)
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
-def warp_specialized_linear(x: Tensor, weight: Tensor, block_rows: int, block_k: int, stages: int) -> Tensor:
-    """x @ weight^T: W split into tf32 halves block_rows rows at a time (the linear op's bound on its
-    copies), each block's GEMM on the warp-specialized kernel."""
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
-    for n0 in range(0, n, block_rows):
-        hi, lo = split_tf32(weight[n0:n0 + block_rows])
-        gemm_into(y[:, n0:], x, hi, lo, k, block_k, stages)
+def warp_specialized_linear(x: Tensor, weight: Tensor, split: str, block_rows: int, block_k: int, stages: int
+                            ) -> Tensor:
+    """x @ weight^T: `split` ("weight" or "x") split into tf32 halves block_rows rows at a time (the linear
+    op's bound on its copies), each block's GEMM on the warp-specialized kernel: W's rows make columns of
+    y, x's rows make rows of y, written as columns of y^T = W @ x^T."""
+    y = torch.empty((x.shape[0], weight.shape[0]), device=x.device, dtype=torch.float32)
+    a, b, out = (x, weight, y) if split == "weight" else (weight, x, y.t())
+    for r0 in range(0, b.shape[0], block_rows):
+        hi, lo = split_tf32(b[r0:r0 + block_rows])
+        gemm_into(out[:, r0:], a, hi, lo, b.shape[1], block_k, stages)
         del hi, lo  # before the next block's split is made: one block's copies at a time
     return y
 
 
 @warp_specialized_linear.register_fake
-def _fake(x: Tensor, weight: Tensor, block_rows: int, block_k: int, stages: int) -> Tensor:
+def _fake(x: Tensor, weight: Tensor, split: str, block_rows: int, block_k: int, stages: int) -> Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
