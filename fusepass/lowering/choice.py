@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fusepass.lowering import gemm_configs, tuning
-from fusepass.lowering.gemm_precisions import prepared_variant
+from fusepass.lowering import gemm_configs, tuning, warp_specialized_gemm
+from fusepass.lowering.gemm_precisions import PRE_SPLIT, prepared_variant
 from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.launch import hint
 from fusepass.lowering.schema import FLAT_NAMES, ChainArgs, flatten, unflatten
@@ -99,7 +99,8 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
     """Every way to run the op for this problem that the tuner's search times (tuning.search: the short
     search takes each precision's gemm_configs.shortlist), by name, the default first; only those that
     can launch for this call (Implementation.unlaunchable). TF32 and 3xTF32 also with the smaller
-    operand prepared in memory (gemm_precisions.py), unless the options forbid operand copies. Plain
+    operand prepared in memory (gemm_precisions.py), unless the options forbid operand copies, and in
+    3xTF32 the warp-specialized Gluon GEMM splitting either operand (Hopper, training). Plain
     fp32 FMA ("ieee") is cuBLAS's alone, whatever the gemm option says. TMA tile configs are offered
     where the call is not traced. `traced`: only those that can run inside Inductor's graph (may be
     none; see cublas_traceable)."""
@@ -119,6 +120,9 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
         for p, config in triton_configs(precisions, x.dtype, rows, out_features, x.device, tma=not traced):
             impl = Implementation(p, config)
             found[impl.name] = impl
+        if variant in PRE_SPLIT and args.kernel.operand_copies:
+            for impl in (Implementation(p, config) for p in PRE_SPLIT for config in warp_specialized_gemm.CONFIGS):
+                found[impl.name] = impl
     if (choice in ("auto", "cublas") or not found) and (not traced or cublas_traceable(precision)):
         found["cublas"] = Implementation(precision)
     return {name: impl for name, impl in found.items() if impl.unlaunchable(args) is None}

@@ -2,6 +2,8 @@
 
 - `on_triton_gemm`: fusepass's Triton GEMM (gemm.py) with the statistics (training) or the whole
   eval-mode normalization in its epilogue, then the passes after it (normalize.py) where still needed.
+- `on_warp_specialized_gemm`: training only, the warp-specialized Gluon 3xTF32 GEMM
+  (warp_specialized_gemm.py) with the statistics in its epilogue, then the passes after it.
 - `on_cublas`: cuBLAS's GEMM (F.linear, as eager), then every pass after it.
 
 Both take arguments the op has validated (ChainArgs.validate, at the op's entry points). `Implementation`
@@ -17,11 +19,14 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch import Tensor
 
-from fusepass.lowering import gemm, gemm_configs, limits
-from fusepass.lowering.launch import tracing
-from fusepass.lowering.normalize import Statistics, normalize_linear_output, normalize_training, output_pass
+from fusepass.lowering import gemm, gemm_configs, limits, warp_specialized_gemm
+from fusepass.lowering.gemm_precisions import prepared
+from fusepass.lowering.launch import hint, tracing
+from fusepass.lowering.normalize import (Partials, Statistics, normalize_linear_output, normalize_training,
+                                         output_pass)
 from fusepass.lowering.schema import ChainArgs, ChainOutputs, flatten
 
 
@@ -39,6 +44,8 @@ class Implementation:
         run = args.in_compute_dtype()
         if self.config is None:
             outputs = on_cublas(run, self.precision)
+        elif self.config.warp_specialized:
+            outputs = on_warp_specialized_gemm(run, self.precision, self.config)
         else:
             outputs = on_triton_gemm(run, self.precision, self.config)
         return outputs._replace(compute_weight=args.compute_weight_output(run))
@@ -50,9 +57,16 @@ class Implementation:
             limits.off_device(x.device, [a for a in flatten(args) if isinstance(a, Tensor)]),
             limits.some_rows(x.shape[0]),
             limits.column_grid(n_features),
-            gemm.unlaunchable(x, args.linear.compute_weight_like(), self.precision, self.config)
-            if self.config else None,
+            self._gemm_unlaunchable(args) if self.config else None,
         )
+
+    def _gemm_unlaunchable(self, args: ChainArgs) -> Optional[str]:
+        x, weight = args.linear.x, args.linear.compute_weight_like()
+        if not self.config.warp_specialized:
+            return gemm.unlaunchable(x, weight, self.precision, self.config)
+        if not args.batch_norm.training:
+            return "the warp-specialized GEMM's epilogue keeps training's batch statistics only"
+        return warp_specialized_gemm.unlaunchable(x, weight, args.out_dtype, prepared(self.precision).operand)
 
 
 def on_triton_gemm(args: ChainArgs, precision: str, config: gemm_configs.GemmConfig) -> ChainOutputs:
@@ -75,6 +89,23 @@ def on_triton_gemm(args: ChainArgs, precision: str, config: gemm_configs.GemmCon
                           eval_norm=eval_norm, **run)
         out = g.out
     return _outputs(args, out, stats, g.y)
+
+
+def on_warp_specialized_gemm(args: ChainArgs, precision: str, config: gemm_configs.GemmConfig) -> ChainOutputs:
+    """Training: the GEMM, its statistics' partials from its epilogue, and the output pass. The split
+    operand is split whole at its size hint (as the Triton GEMM's forward splits it); a larger batch than
+    the hint runs in more blocks."""
+    lin, scale, split = args.linear, args.scale_before, prepared(precision).operand
+    block_rows = triton.cdiv(hint((lin.x if split == "x" else lin.weight).shape[0]), warp_specialized_gemm.TILE)
+    y, flat_parts = torch.ops.fusepass.warp_specialized_linear(
+        lin.x, lin.weight, lin.bias, scale.tensor, scale.value, True, split,
+        block_rows * warp_specialized_gemm.TILE, config.block_k, config.num_stages)
+    part_rows = warp_specialized_gemm.rows_per_part(split)
+    parts = Partials(flat_parts, triton.cdiv(lin.x.shape[0], part_rows), part_rows)
+    stats = Statistics.allocate(args.n_features, lin.x.device, args.batch_norm)
+    out = _output_buffer(y, args)
+    normalize_training(y, parts, stats, args, out)
+    return _outputs(args, out, stats, y)
 
 
 def on_cublas(args: ChainArgs, precision: str) -> ChainOutputs:

@@ -78,8 +78,9 @@ class LinearImplementation:
         if self.config.warp_specialized:
             split = prepared(self.precision).operand
             rows = _warp_specialized_block_rows(Linear(x, weight, bias), split, self.config)
-            return torch.ops.fusepass.warp_specialized_linear(x, weight, split, rows, self.config.block_k,
-                                                              self.config.num_stages)
+            y, _ = torch.ops.fusepass.warp_specialized_linear(x, weight, bias, None, 1.0, False, split, rows,
+                                                              self.config.block_k, self.config.num_stages)
+            return y
         if self.k_major_copies:
             x, weight = _k_major_copy(x), _k_major_copy(weight)
         return run_in_blocks(Linear(x, weight, bias), self.precision, self.config, out_dtype=_out_dtype(call))
@@ -95,7 +96,7 @@ class LinearImplementation:
         if empty:
             return empty
         if self.config.warp_specialized:
-            kernel = warp_specialized_gemm.unlaunchable(call.x, call.weight, call.bias, _out_dtype(call),
+            kernel = warp_specialized_gemm.unlaunchable(call.x, call.weight, _out_dtype(call),
                                                         prepared(self.precision).operand)
         else:
             kernel = gemm.unlaunchable(call.x, call.weight, self.precision, self.config)

@@ -42,7 +42,8 @@ def test_candidates_per_choice():
     assert any(name.startswith("triton split_w") for name in auto)  # x as large as W: W is split
     wide = make_args(8, 16, 32).linear.weight  # W larger than x: x is split, in memory
     names = candidates(with_operands(args, x, wide, "triton"))
-    assert {name.split()[1] for name in names} == {"tf32x3", "split_x"}
+    triton = [name for name in names if "warp-specialized" not in name]  # (Hopper's splits either operand)
+    assert {name.split()[1] for name in triton} == {"tf32x3", "split_x"}
     assert list(candidates(with_operands(args, x, x, "cublas"))) == ["cublas"]
     copies = with_operands(args, x, wide, "triton")
     no_copies = dataclasses.replace(copies, kernel=KernelOptions(gemm="triton", operand_copies=False))

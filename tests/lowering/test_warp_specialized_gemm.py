@@ -14,17 +14,19 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fusepass.lowering import gemm_configs, linear, warp_specialized_gemm
+from fusepass.lowering import choice, gemm_configs, linear, warp_specialized_gemm
+from fusepass.lowering.implementations import Implementation
 from fusepass.numerics import rel_error
 from tests.chains import requires_cuda
+from tests.lowering.cases import assert_like_eager, make_args
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 requires_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 
 
-def _compile_for_hopper(a_k_major: bool) -> str:
-    """The kernel's PTX for sm_90 (compiled to a cubin) with `a` K-major or MN-major, as the compile-only
-    script below prints it."""
+def _compile_for_hopper(a_k_major: bool, statistics: bool, transposed: bool) -> str:
+    """The kernel's PTX for sm_90 (compiled to a cubin) with `a` K-major or MN-major, with or without the
+    statistics epilogue (over y's tile or y^T's), as the compile-only script below prints it."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -35,10 +37,13 @@ def _compile_for_hopper(a_k_major: bool) -> str:
 
     a_block = [128, 32] if a_k_major else [32, 128]
     signature = {"a_desc": descriptor(a_block), "hi_desc": descriptor([128, 32]), "lo_desc": descriptor([128, 32]),
-                 "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "stride_on": "i32",
-                 "BLOCK_M": "constexpr", "A_K_MAJOR": "constexpr", "STAGES": "constexpr", "GROUP": "constexpr",
-                 "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr"}
-    constexprs = dict(BLOCK_M=128, A_K_MAJOR=a_k_major, STAGES=4, GROUP=8, CONSUMER_REGS=232, LOADER_REGS=40)
+                 **{name: "*fp32" for name in ("out_ptr", "bias_ptr", "scale_ptr", "parts_ptr")},
+                 **{name: "i32" for name in ("M", "N", "K", "stride_om", "stride_on", "part_stride", "m2_offset")},
+                 "scale_value": "fp32",
+                 **{name: "constexpr" for name in ("BLOCK_M", "A_K_MAJOR", "STATISTICS", "TRANSPOSED", "HAS_BIAS",
+                                                   "SCALE_MODE", "STAGES", "GROUP", "CONSUMER_REGS", "LOADER_REGS")}}
+    constexprs = dict(BLOCK_M=128, A_K_MAJOR=a_k_major, STATISTICS=statistics, TRANSPOSED=transposed,
+                      HAS_BIAS=statistics, SCALE_MODE=2, STAGES=4, GROUP=8, CONSUMER_REGS=232, LOADER_REGS=40)
     compiled = triton_compile(GluonASTSource(warp_specialized_gemm._gemm_kernel, signature, constexprs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert compiled.asm["cubin"]
@@ -46,16 +51,17 @@ def _compile_for_hopper(a_k_major: bool) -> str:
 
 
 @pytest.mark.skipif(warp_specialized_gemm.gluon is None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("a_major", ["K", "MN"])
-def test_the_kernel_compiles_for_hopper_with_two_consumer_warpgroups(a_major):
+@pytest.mark.parametrize("a_major, epilogue", [("K", "store"), ("MN", "store"), ("K", "statistics"),
+                                               ("MN", "statistics_transposed")])
+def test_the_kernel_compiles_for_hopper_with_two_consumer_warpgroups(a_major, epilogue):
     """In a process of its own, without TRITON_INTERPRET (test_compiles.py). Per consumer and K block of 32:
     three products of four k=8 wgmmas each, waited for (level 0) by that consumer alone; setmaxnreg gives
     the consumers their registers and takes them from the loader. A K-major `a` tile is read from shared
     memory with ldmatrix; an MN-major one (read transposed) without."""
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, __file__, a_major], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=root)
+    done = subprocess.run([sys.executable, __file__, a_major, epilogue], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     wgmmas, waits, raised, ldmatrix = (int(v) for v in done.stdout.split()[-4:])
     assert wgmmas == 2 * 3 * 4 and waits == 2 and raised >= 2, done.stdout
@@ -64,29 +70,43 @@ def test_the_kernel_compiles_for_hopper_with_two_consumer_warpgroups(a_major):
 
 def test_offered_only_where_it_runs():
     x, w = torch.randn(8, 16), torch.randn(4, 16)
-    why = warp_specialized_gemm.unlaunchable(x, w, None, torch.float32)
+    why = warp_specialized_gemm.unlaunchable(x, w, torch.float32)
     assert why in ("this Triton has no Gluon", "the warp-specialized GEMM is Hopper's (sm_90 wgmma)")
     if ON_HOPPER:
         cuda = x.cuda(), w.cuda()
-        assert warp_specialized_gemm.unlaunchable(*cuda, None, torch.float32) is None
-        assert "bias" in warp_specialized_gemm.unlaunchable(*cuda, torch.zeros(4, device="cuda"), torch.float32)
-        assert "fp32" in warp_specialized_gemm.unlaunchable(*(t.bfloat16() for t in cuda), None, torch.bfloat16)
+        assert warp_specialized_gemm.unlaunchable(*cuda, torch.float32) is None
+        assert "fp32" in warp_specialized_gemm.unlaunchable(*(t.bfloat16() for t in cuda), torch.bfloat16)
         mn_major = cuda[0].t().contiguous().t()
-        assert warp_specialized_gemm.unlaunchable(mn_major, cuda[1], None, torch.float32) is None
+        assert warp_specialized_gemm.unlaunchable(mn_major, cuda[1], torch.float32) is None
         neither = torch.randn(8, 32, device="cuda")[:, ::2]
-        assert "TMA" in warp_specialized_gemm.unlaunchable(neither, cuda[1], None, torch.float32)
-        assert warp_specialized_gemm.unlaunchable(neither, cuda[1], None, torch.float32, split="x") is None
-        assert "TMA" in warp_specialized_gemm.unlaunchable(cuda[0], neither, None, torch.float32, split="x")
+        assert "TMA" in warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32)
+        assert warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, split="x") is None
+        assert "TMA" in warp_specialized_gemm.unlaunchable(cuda[0], neither, torch.float32, split="x")
     call = linear.LinearCall(x, w, None, "tf32x3", "auto")
     problem = linear.problem(call, traced=False)
     names = list(linear.candidates(call, problem, traced=False))
     assert any("warp-specialized" in n for n in names) == ON_HOPPER, names
 
 
-def test_the_ops_fake_is_an_fp32_product():
+@pytest.mark.parametrize("training", [True, False])
+def test_a_chain_is_offered_it_in_training_on_hopper(training):
+    """Its epilogue keeps batch statistics: an eval chain is not offered it (its reason says why)."""
+    args = make_args(300, 64, 200, training=training, device="cuda" if ON_HOPPER else "cpu")
+    names = list(choice.candidates(args, choice.problem(args, traced=False), traced=False))
+    assert sum("warp-specialized" in n for n in names) == (4 if ON_HOPPER and training else 0), names
+    if ON_HOPPER and not training:
+        impl = Implementation("split_w", warp_specialized_gemm.CONFIGS[0])
+        assert "training" in impl.unlaunchable(args)
+
+
+@pytest.mark.parametrize("split, part_rows", [("weight", 64), ("x", 128)])
+def test_the_ops_fake_is_an_fp32_product_with_its_partials(split, part_rows):
     with FakeTensorMode():
-        y = torch.ops.fusepass.warp_specialized_linear(torch.empty(5, 8), torch.empty(7, 8), "x", 4, 32, 4)
-    assert y.shape == (5, 7) and y.dtype == torch.float32
+        x, w = torch.empty(300, 8), torch.empty(7, 8)
+        y, parts = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, split, 128, 32, 4)
+        _, none = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, False, split, 128, 32, 4)
+    assert y.shape == (300, 7) and y.dtype == torch.float32
+    assert parts.shape == (2 * -(-300 // part_rows) * 7,) and none.shape == (0,)
 
 
 def _split_w_triton(x, w):
@@ -111,7 +131,8 @@ def test_as_exact_as_the_triton_split_gemm_at_partial_tiles(config, split, layou
         w = w.t().contiguous().t()
     if layout == "grad_w":
         x = x.t().contiguous().t()
-    y = torch.ops.fusepass.warp_specialized_linear(x, w, split, 384, config.block_k, config.num_stages)
+    y, _ = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, False, split, 384, config.block_k,
+                                                      config.num_stages)
     exact = F.linear(x.double(), w.double())
     ours, triton_split = rel_error(y, exact), rel_error(_split_w_triton(x, w), exact)
     assert ours <= 1.5 * triton_split and ours < 1e-6, (ours, triton_split)
@@ -137,6 +158,42 @@ def test_through_the_linear_op_and_a_compiled_graph(precision):
 
 
 if __name__ == "__main__":
-    ptx = _compile_for_hopper(a_k_major=sys.argv[1] == "K")
+    a_major, epilogue = sys.argv[1:3]
+    ptx = _compile_for_hopper(a_major == "K", epilogue.startswith("statistics"), epilogue.endswith("transposed"))
     print(ptx.count("wgmma.mma_async"), len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0", ptx)),
           len(re.findall(r"setmaxnreg\.inc", ptx)), ptx.count("ldmatrix"))
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["split_w", "split_x"])
+@pytest.mark.parametrize("scale", ["per_feature", "single", "number"])
+def test_a_training_chain_on_it_is_no_further_from_float64_than_eager(precision, scale):
+    """The chain's forward with the statistics from the kernel's epilogue (partial row and feature tiles:
+    1000 rows, 300 features; a consumer's last 64 rows hold 40 of the batch, the last 128 columns of y^T
+    104) and the passes after it: output, batch statistics and running statistics."""
+    args = make_args(1000, 264, 300, scale=scale, tail="gelu_relu", momentum=0.3)
+    impl = Implementation(precision, warp_specialized_gemm.CONFIGS[0])
+    assert impl.unlaunchable(args) is None
+    assert_like_eager(impl(args), args)
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.cuda
+@pytest.mark.parametrize("split", warp_specialized_gemm.SPLIT_OPERANDS)
+def test_its_partials_are_the_same_in_blocks(split):
+    """Split in blocks of 256 rows (of x: whole parts of 128 rows each; of W: its features), y and the
+    partials are bit for bit those of one block, bias and per-feature scale read from each block's first
+    feature."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(1000, 136, device="cuda", generator=g)
+    w = torch.randn(600, 136, device="cuda", generator=g)
+    bias, scale = torch.randn(600, device="cuda", generator=g), torch.randn(600, device="cuda", generator=g)
+    whole = torch.ops.fusepass.warp_specialized_linear(x, w, bias, scale, 1.0, True, split, 1024, 32, 4)
+    blocks = torch.ops.fusepass.warp_specialized_linear(x, w, bias, scale, 1.0, True, split, 256, 32, 4)
+    assert torch.equal(whole[0], blocks[0]) and torch.equal(whole[1], blocks[1])
+    z = (F.linear(x.double(), w.double(), bias.double()) * scale.double())[:warp_specialized_gemm.rows_per_part(split)]
+    means = whole[1][:600]
+    assert rel_error(means, z.mean(0)) < 1e-6
