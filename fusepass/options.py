@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
 import torch._inductor
@@ -83,6 +83,7 @@ class Options:
                 raise ValueError(f"fusepass: options[{key!r}] must be True or False, got {value!r}")
         patches = dict(modes[mode])
         patches.update(_inductor_patches(options))
+        kernel = replace(kernel, cuda_graphs=bool(patches.get("triton.cudagraphs", False)))
         _launch_fused_kernels_statically(patches)
         _key_caches_on_fusepass_source(patches)
         if flags["rebuild_outputs"]:

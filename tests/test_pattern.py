@@ -11,6 +11,7 @@ from fusepass.families import linear_batch_norm
 from fusepass.families.linear_batch_norm import FUSED_OP
 from fusepass.lowering.schema import KernelOptions
 from fusepass.matcher import find_chains
+from fusepass.options import Options
 from fusepass.rewrite import apply
 from tests.chains import Between, ChainModel, SecondUser, ThreeD, TwoChains, make_input
 
@@ -157,11 +158,18 @@ def op_arguments(node):
 
 def test_kernel_options_become_op_arguments():
     gm = single_graph(ChainModel(), make_input(8, 32))
-    rewrite(gm, KernelOptions(fp32_matmul="ieee", gemm="cublas", operand_copies=False), CHAINS)
+    rewrite(gm, KernelOptions(fp32_matmul="ieee", gemm="cublas", operand_copies=False, cuda_graphs=True), CHAINS)
     [fused] = [n for n in gm.graph.nodes if n.target is FUSED_OP]
     arguments = op_arguments(fused)
-    assert (arguments["kernel_fp32_matmul"], arguments["kernel_gemm"], arguments["kernel_operand_copies"]) == \
-        ("ieee", "cublas", False)
+    assert (arguments["kernel_fp32_matmul"], arguments["kernel_gemm"], arguments["kernel_operand_copies"],
+            arguments["kernel_cuda_graphs"]) == ("ieee", "cublas", False, True)
+
+
+@pytest.mark.parametrize("mode, options, cuda_graphs", [
+    (None, {}, False), ("reduce-overhead", {}, True), ("max-autotune", {}, True),
+    ("max-autotune-no-cudagraphs", {}, False), (None, {"triton.cudagraphs": True}, True)])
+def test_the_kernel_options_know_whether_the_graph_runs_from_cuda_graphs(mode, options, cuda_graphs):
+    assert Options.parse(mode, dict(options)).kernel.cuda_graphs is cuda_graphs
 
 
 @pytest.mark.parametrize("spelling", ["module", "functional", "torch", "method", "dtype"])

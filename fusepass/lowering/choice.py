@@ -100,7 +100,8 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
     search takes each precision's gemm_configs.shortlist), by name, the default first; only those that
     can launch for this call (Implementation.unlaunchable). TF32 and 3xTF32 also with the smaller
     operand prepared in memory (gemm_precisions.py), unless the options forbid operand copies, and in
-    3xTF32 the warp-specialized Gluon GEMM splitting either operand (Hopper, training). Plain
+    3xTF32 under CUDA graphs the warp-specialized Gluon GEMM splitting either operand (Hopper,
+    training). Plain
     fp32 FMA ("ieee") is cuBLAS's alone, whatever the gemm option says. TMA tile configs are offered
     where the call is not traced. `traced`: only those that can run inside Inductor's graph (may be
     none; see cublas_traceable)."""
@@ -120,7 +121,11 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
         for p, config in triton_configs(precisions, x.dtype, rows, out_features, x.device, tma=not traced):
             impl = Implementation(p, config)
             found[impl.name] = impl
-        if variant in PRE_SPLIT and args.kernel.operand_copies:
+        # Under CUDA graphs only: the warp-specialized GEMM runs from Python (an opaque op), and a default-
+        # mode training step of these sizes is host-bound. H100, fp32 MLP(1024, [4096, 4096, 256]) at 4096
+        # rows: 4.773 ms on it with CUDA graphs against 5.087 without it, but 6.575 against 5.553 in
+        # default mode (its host time per call outweighed the GPU time it saved).
+        if variant in PRE_SPLIT and args.kernel.operand_copies and args.kernel.cuda_graphs:
             for impl in (Implementation(p, config) for p in PRE_SPLIT for config in warp_specialized_gemm.CONFIGS):
                 found[impl.name] = impl
     if (choice in ("auto", "cublas") or not found) and (not traced or cublas_traceable(precision)):

@@ -128,16 +128,21 @@ class BatchNorm:
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """How the CUDA implementation runs (the backend's options `fp32_matmul`, `gemm` and `operand_copies`)."""
+    """How the CUDA implementation runs (the backend's options `fp32_matmul`, `gemm` and `operand_copies`, and
+    its mode's CUDA graphs)."""
     fp32_matmul: str = "tf32x3"  # "tf32x3" (fp32-accurate on tensor cores) or "ieee" (plain fp32 FMA)
     gemm: str = "auto"  # "auto" (time the implementations), "triton" or "cublas"
     # Whether an fp32 GEMM may copy an operand to read it faster: split into tf32 halves, or made K-major
     # (the backward's transposed operands, which grow with the batch)
     operand_copies: bool = True
+    # Whether the compiled graph replays its launches from CUDA graphs (Inductor's triton.cudagraphs, set by
+    # the modes reduce-overhead and max-autotune): a kernel launched from Python costs no host time per step
+    cuda_graphs: bool = False
 
     def validate(self) -> None:
         for key, value, valid in (("fp32_matmul", self.fp32_matmul, FP32_MATMUL), ("gemm", self.gemm, GEMM_CHOICES),
-                                  ("operand_copies", self.operand_copies, (True, False))):
+                                  ("operand_copies", self.operand_copies, (True, False)),
+                                  ("cuda_graphs", self.cuda_graphs, (True, False))):
             if not isinstance(value, type(valid[0])) or value not in valid:
                 raise ValueError(f"fusepass: {key} must be one of {valid}, got {value!r}")
 
