@@ -794,8 +794,9 @@ GEMM_INTRO = (
     "memory included where that variant is fastest), against cuBLAS's IEEE fp32, eager's fp32. fusepass's "
     "column is its fastest tile config (every candidate of the full search; a `tma` config serves only calls the "
     "op runs opaquely, as traced launches cannot carry host-made TMA descriptors; a `persistent` one makes "
-    "its descriptors in the kernel and serves both; a `warp-specialized` one is split_w on the Gluon kernel "
-    "the linear op runs behind an opaque custom op, W's split in the linear op's blocks included). "
+    "its descriptors in the kernel and serves both; a `warp-specialized` one is the Gluon kernel the linear "
+    "op runs behind an opaque custom op, W split (split_w) or x (split_x), the split in the linear op's blocks "
+    "included). "
     "\"of peak\": fusepass's TFLOP/s "
     "over the data sheet's dense peak (bf16 989, TF32 495, 3xTF32 a third of TF32's: 165). Issue 26's "
     "targets: bf16 ≥ 0.95× cuBLAS, TF32 ≥ 0.90×, 3xTF32 ≥ 130 TFLOP/s.")
@@ -854,7 +855,9 @@ def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
     parts += section("Training step", "Forward + backward in train mode (`--backward`), in Inductor's default mode "
                      "and with CUDA graphs (`mode=\"reduce-overhead\"`; each call a new step, as a training loop "
                      "runs it); the floor counts three GEMMs per linear (forward, dX, dW) at fusepass's precision, "
-                     "and \"of floor\" is against fusepass's default mode.", training_table(rows))
+                     "and \"of floor\" is against fusepass's default mode. In fp32 on Hopper, fusepass's mode "
+                     "decides one candidate: the chain's forward GEMM on the warp-specialized kernel (launched from "
+                     "Python) is offered with CUDA graphs only.", training_table(rows))
     parts += section("GEMM alone", GEMM_INTRO, gemm_alone_table(gemm_alone or []))
     parts += section("Small shapes, 128×1024→512", "Both problems at `--size 128,1024,512`, forwards and training "
                      "steps. Their floor is a few microseconds: these times are launch and host overhead.",
