@@ -249,9 +249,10 @@ def _descriptor(t: Tensor, rows: int, cols: int, block: tuple[int, int]) -> "Ten
 
 @functools.cache
 def _shared_layout(block: tuple[int, int]) -> "gl.NVMMASharedLayout":
-    """Made once per block shape: a training step's launches are host-bound (an MLP step at 4096 rows makes
-    eleven), and making the three descriptors with their layouts took two thirds of one launch's host time
-    (78 us against 25 for the launch with descriptors made beforehand, on the H100 machine's host)."""
+    """Made once per block shape: a training step's launches are host-bound (a profiled fp32 MLP step at
+    4096 rows made eleven), and making the three descriptors with their layouts took two thirds of one
+    launch's host time (78 us against 25 for the launch with descriptors made beforehand, on the H100
+    machine's host)."""
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.float32)
 
 
@@ -300,11 +301,13 @@ def warp_specialized_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], s
                             scale_value: float, statistics: bool, split: str, block_rows: int, block_k: int,
                             stages: int) -> tuple[Tensor, Tensor]:
     """(y, parts): y = x @ weight^T + bias, `split` ("weight" or "x") split into tf32 halves block_rows
-    rows at a time (the linear op's bound on its copies; a multiple of TILE), each block's GEMM on the
-    warp-specialized kernel: W's rows make columns of y, x's rows make rows of y, written as columns of
-    y^T = W @ x^T. With `statistics`, parts holds the per-feature means and M2s of z = y * scale (the
-    tensor, else scale_value) over each rows_per_part(split) rows of the batch (normalize.Partials'
-    flat layout); else it is empty."""
+    rows at a time (the linear op's bound on its copies; with statistics of split x, whole parts), each
+    block's GEMM on the warp-specialized kernel: W's rows make columns of y, x's rows make rows of y,
+    written as columns of y^T = W @ x^T. With `statistics`, parts holds the per-feature means and M2s of
+    z = y * scale (the tensor, else scale_value) over each rows_per_part(split) rows of the batch
+    (normalize.Partials' flat layout); else it is empty."""
+    if split not in SPLIT_OPERANDS or (statistics and split == "x" and block_rows % rows_per_part(split)):
+        raise ValueError(f"warp_specialized_linear: split {split!r} in blocks of {block_rows} rows")
     m, f = x.shape[0], weight.shape[0]
     y = torch.empty((m, f), device=x.device, dtype=torch.float32)
     n_parts = -(-m // rows_per_part(split))

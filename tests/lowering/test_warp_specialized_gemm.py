@@ -113,6 +113,14 @@ def test_the_ops_fake_is_an_fp32_product_with_its_partials(split, part_rows):
     assert parts.shape == (2 * -(-300 // part_rows) * 7,) and none.shape == (0,)
 
 
+@pytest.mark.parametrize("split, block_rows", [("both", 128), ("x", 200)])
+def test_the_op_refuses_a_split_it_cannot_make(split, block_rows):
+    """An unknown operand, or statistics of split x in blocks that cut a part of 128 rows."""
+    x, w = torch.randn(300, 8), torch.randn(7, 8)
+    with pytest.raises(ValueError, match="blocks of"):
+        torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, split, block_rows, 32, 4)
+
+
 def _split_w_triton(x, w):
     config = gemm_configs.candidates("split_w", torch.float32)[0]
     return linear.LinearImplementation("split_w", config)(linear.LinearCall(x, w, None, "tf32x3", "auto"))
