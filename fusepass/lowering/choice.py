@@ -101,10 +101,9 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
     can launch for this call (Implementation.unlaunchable). TF32 and 3xTF32 also with the smaller
     operand prepared in memory (gemm_precisions.py), unless the options forbid operand copies, and in
     3xTF32 under CUDA graphs the warp-specialized Gluon GEMM splitting either operand (Hopper,
-    training). Plain
-    fp32 FMA ("ieee") is cuBLAS's alone, whatever the gemm option says. TMA tile configs are offered
-    where the call is not traced. `traced`: only those that can run inside Inductor's graph (may be
-    none; see cublas_traceable)."""
+    training). Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever the gemm option says. TMA tile configs
+    are offered where the call is not traced. `traced`: only those that can run inside Inductor's graph
+    (may be none; see cublas_traceable)."""
     x = args.linear.x
     (rows,), in_features, out_features = problem.sizes, hint(x.shape[1]), hint(args.n_features)
     precision = matmul_precision(x.dtype, args.kernel.fp32_matmul)

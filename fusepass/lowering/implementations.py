@@ -1,4 +1,4 @@
-"""The fused op's two CUDA implementations. Both return the op's outputs; they differ in the GEMM.
+"""The fused op's CUDA implementations. Each returns the op's outputs; they differ in the GEMM.
 
 - `on_triton_gemm`: fusepass's Triton GEMM (gemm.py) with the statistics (training) or the whole
   eval-mode normalization in its epilogue, then the passes after it (normalize.py) where still needed.
@@ -6,7 +6,7 @@
   (warp_specialized_gemm.py) with the statistics in its epilogue, then the passes after it.
 - `on_cublas`: cuBLAS's GEMM (F.linear, as eager), then every pass after it.
 
-Both take arguments the op has validated (ChainArgs.validate, at the op's entry points). `Implementation`
+Each takes arguments the op has validated (ChainArgs.validate, at the op's entry points). `Implementation`
 is one of them bound to a precision (and a tile config), with what its kernels need of a call
 (`unlaunchable`, limits.py).
 """
