@@ -1,8 +1,8 @@
 """fusepass's Triton GEMM alone (y = x @ W^T, no epilogue) against cuBLAS, per precision, at the seed
 shapes and the MLP's layers: for each, cuBLAS's time and fusepass's best tile config (every candidate the
 full search would time, gemm_configs.candidates; in fp32 also the variants with an operand prepared in
-memory, split or rounded, the preparation included; in 3xTF32 also split_w on the warp-specialized Gluon
-kernel, as the linear op runs it), TFLOP/s and the fraction of the GPU's dense peak.
+memory, split or rounded, the preparation included; in 3xTF32 also the warp-specialized Gluon kernel
+splitting W or x, as the linear op runs it), TFLOP/s and the fraction of the GPU's dense peak.
 GPU only.
 
     python tools/gemm_alone.py [--json FILE] [--shapes M,K,N ...] [--precisions bf16 tf32 tf32x3]

@@ -310,7 +310,7 @@ def warp_specialized_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], s
         raise ValueError(f"warp_specialized_linear: split {split!r} in blocks of {block_rows} rows")
     m, f = x.shape[0], weight.shape[0]
     y = torch.empty((m, f), device=x.device, dtype=torch.float32)
-    n_parts = -(-m // rows_per_part(split))
+    n_parts = triton.cdiv(m, rows_per_part(split))
     parts = torch.empty(2 * n_parts * f if statistics else 0, device=x.device, dtype=torch.float32)
     a, b, out = (x, weight, y) if split == "weight" else (weight, x, y.t())
     for r0 in range(0, b.shape[0], block_rows):
@@ -337,5 +337,5 @@ def _block_epilogue(split: str, r0: int, bias: Optional[Tensor], scale: Optional
 def _fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale: Optional[Tensor], scale_value: float,
           statistics: bool, split: str, block_rows: int, block_k: int, stages: int) -> tuple[Tensor, Tensor]:
     m, f = x.shape[0], weight.shape[0]
-    n_parts = (m + rows_per_part(split) - 1) // rows_per_part(split)
+    n_parts = triton.cdiv(m, rows_per_part(split))
     return x.new_empty((m, f)), x.new_empty((2 * n_parts * f if statistics else 0,))
