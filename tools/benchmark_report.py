@@ -857,7 +857,8 @@ def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
                      "runs it); the floor counts three GEMMs per linear (forward, dX, dW) at fusepass's precision, "
                      "and \"of floor\" is against fusepass's default mode. In fp32 on Hopper, fusepass's mode "
                      "decides one candidate: the chain's forward GEMM on the warp-specialized kernel (launched from "
-                     "Python) is offered with CUDA graphs only.", training_table(rows))
+                     "Python) is offered with CUDA graphs, and without them only for GEMMs of at least "
+                     "`choice.UNGRAPHED_MIN_FLOP` (2.5e11 FLOP).", training_table(rows))
     parts += section("GEMM alone", GEMM_INTRO, gemm_alone_table(gemm_alone or []))
     parts += section("Small shapes, 128×1024→512", "Both problems at `--size 128,1024,512`, forwards and training "
                      "steps. Their floor is a few microseconds: these times are launch and host overhead.",

@@ -100,10 +100,10 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
     search takes each precision's gemm_configs.shortlist), by name, the default first; only those that
     can launch for this call (Implementation.unlaunchable). TF32 and 3xTF32 also with the smaller
     operand prepared in memory (gemm_precisions.py), unless the options forbid operand copies, and in
-    3xTF32 under CUDA graphs the warp-specialized Gluon GEMM splitting either operand (Hopper,
-    training). Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever the gemm option says. TMA tile configs
-    are offered where the call is not traced. `traced`: only those that can run inside Inductor's graph
-    (may be none; see cublas_traceable)."""
+    3xTF32 the warp-specialized Gluon GEMM splitting either operand (Hopper; warp_specialized_offered).
+    Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever the gemm option says. TMA tile configs are
+    offered where the call is not traced. `traced`: only those that can run inside Inductor's graph (may
+    be none; see cublas_traceable)."""
     x = args.linear.x
     (rows,), in_features, out_features = problem.sizes, hint(x.shape[1]), hint(args.n_features)
     precision = matmul_precision(x.dtype, args.kernel.fp32_matmul)
@@ -120,16 +120,27 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
         for p, config in triton_configs(precisions, x.dtype, rows, out_features, x.device, tma=not traced):
             impl = Implementation(p, config)
             found[impl.name] = impl
-        # Under CUDA graphs only: the warp-specialized GEMM runs from Python (an opaque op), and a default-
-        # mode training step of these sizes is host-bound. H100, fp32 MLP(1024, [4096, 4096, 256]) at 4096
-        # rows: 4.773 ms on it with CUDA graphs against 5.087 without it, but 6.575 against 5.553 in
-        # default mode (its host time per call outweighed the GPU time it saved).
-        if variant in PRE_SPLIT and args.kernel.operand_copies and args.kernel.cuda_graphs:
+        if variant in PRE_SPLIT and args.kernel.operand_copies and warp_specialized_offered(args, rows):
             for impl in (Implementation(p, config) for p in PRE_SPLIT for config in warp_specialized_gemm.CONFIGS):
                 found[impl.name] = impl
     if (choice in ("auto", "cublas") or not found) and (not traced or cublas_traceable(precision)):
         found["cublas"] = Implementation(precision)
     return {name: impl for name, impl in found.items() if impl.unlaunchable(args) is None}
+
+
+# The warp-specialized GEMM launches from Python (an opaque op: 0.2-0.3 ms of host per call on the H100
+# machine's host), so without CUDA graphs it is offered only for GEMMs whose GPU time hides that. H100,
+# fp32 training steps in default mode, offered against not: 16384 x 4096 -> 4096 (5.5e11 FLOP per GEMM)
+# 9.893 against 11.121 ms; gemm_batchnorm_scale_softmax at 1024 x 8192 -> 8192 (1.4e11) 3.335 against
+# 3.058; MLP(1024, [4096, 4096, 256]) at 4096 rows (up to 1.4e11) 7.039 against 6.225 (host-bound steps).
+UNGRAPHED_MIN_FLOP = 2.5e11
+
+
+def warp_specialized_offered(args: ChainArgs, rows: int) -> bool:
+    """Whether the chain is offered the warp-specialized GEMM (where it can launch): under CUDA graphs,
+    or for a GEMM of at least UNGRAPHED_MIN_FLOP at `rows` (the bucket's)."""
+    flop = 2 * rows * hint(args.linear.x.shape[1]) * hint(args.n_features)
+    return args.kernel.cuda_graphs or flop >= UNGRAPHED_MIN_FLOP
 
 
 def stand_ins(args: ChainArgs) -> ChainArgs:

@@ -2,8 +2,8 @@
 
 - `on_triton_gemm`: fusepass's Triton GEMM (gemm.py) with the statistics (training) or the whole
   eval-mode normalization in its epilogue, then the passes after it (normalize.py) where still needed.
-- `on_warp_specialized_gemm`: training only, the warp-specialized Gluon 3xTF32 GEMM
-  (warp_specialized_gemm.py) with the statistics in its epilogue, then the passes after it.
+- `on_warp_specialized_gemm`: the warp-specialized Gluon 3xTF32 GEMM (warp_specialized_gemm.py) with
+  the bias and, in training, the statistics in its epilogue, then the passes after it.
 - `on_cublas`: cuBLAS's GEMM (F.linear, as eager), then every pass after it.
 
 Each takes arguments the op has validated (ChainArgs.validate, at the op's entry points). `Implementation`
@@ -64,8 +64,6 @@ class Implementation:
         x, weight = args.linear.x, args.linear.compute_weight_like()
         if not self.config.warp_specialized:
             return gemm.unlaunchable(x, weight, self.precision, self.config)
-        if not args.batch_norm.training:
-            return "the warp-specialized GEMM's epilogue keeps training's batch statistics only"
         return warp_specialized_gemm.unlaunchable(x, weight, args.out_dtype, prepared(self.precision).operand)
 
 
@@ -92,14 +90,19 @@ def on_triton_gemm(args: ChainArgs, precision: str, config: gemm_configs.GemmCon
 
 
 def on_warp_specialized_gemm(args: ChainArgs, precision: str, config: gemm_configs.GemmConfig) -> ChainOutputs:
-    """Training: the GEMM, its statistics' partials from its epilogue, and the output pass. The split
+    """Training: the GEMM, its statistics' partials from its epilogue, and the output pass. Eval: the GEMM,
+    then the passes after it (as on cuBLAS: its epilogue has no eval-mode normalization). The split
     operand is split whole at its size hint (as the Triton GEMM's forward splits it); a larger batch than
     the hint runs in more blocks."""
     lin, scale, split = args.linear, args.scale_before, prepared(precision).operand
+    training = args.batch_norm.training
     block_rows = triton.cdiv(hint((lin.x if split == "x" else lin.weight).shape[0]), warp_specialized_gemm.TILE)
     y, flat_parts = torch.ops.fusepass.warp_specialized_linear(
-        lin.x, lin.weight, lin.bias, scale.tensor, scale.value, True, split,
+        lin.x, lin.weight, lin.bias, scale.tensor, scale.value, training, split,
         block_rows * warp_specialized_gemm.TILE, config.block_k, config.num_stages)
+    if not training:
+        out, stats = normalize_linear_output(y, args, out=_output_buffer(y, args))
+        return _outputs(args, out, stats, y)
     part_rows = warp_specialized_gemm.rows_per_part(split)
     parts = Partials(flat_parts, triton.cdiv(lin.x.shape[0], part_rows), part_rows)
     stats = Statistics.allocate(args.n_features, lin.x.device, args.batch_norm)

@@ -21,7 +21,7 @@ the Triton GEMM's EPILOGUE_STATISTICS does (per feature, the mean and M2 of z = 
 of the batch), which the chain's passes then merge (normalize.py).
 
 Its users: the linear op (linear.py: a training step's GEMMs outside a chain's forward, and bare
-linears) and the chain's training forward (implementations.py), through
+linears) and the chain's forward (implementations.py; offered by choice.warp_specialized_offered), through
 `torch.ops.fusepass.warp_specialized_linear`, an opaque custom op: Inductor cannot trace a Gluon kernel
 (its user-kernel support reads Triton's TTIR), so the compiled graph calls the op, which splits the
 chosen operand in blocks of `block_rows` rows and launches the kernel for each.
@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
 from torch import Tensor
 
 from fusepass.lowering import limits
@@ -278,7 +277,7 @@ def gemm_into(out: Tensor, a: Tensor, hi: Tensor, lo: Tensor, k: int, block_k: i
     a_k_major = a.stride(1) == 1 or a.shape[1] == 1  # as limits.tma_layout reads it (unlaunchable)
     a_desc = _descriptor(a, m, k, (TILE, block_k)) if a_k_major else _descriptor(a.t(), k, m, (block_k, TILE))
     hi_desc, lo_desc = (_descriptor(t, n, k, (TILE, block_k)) for t in (hi, lo))
-    grid = (triton.cdiv(m, TILE) * triton.cdiv(n, TILE),)
+    grid = (_ceil_div(m, TILE) * _ceil_div(n, TILE),)
     e = epilogue
     _gemm_kernel[grid](
         a_desc, hi_desc, lo_desc,
@@ -290,13 +289,18 @@ def gemm_into(out: Tensor, a: Tensor, hi: Tensor, lo: Tensor, k: int, block_k: i
         STAGES=stages, GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS, num_warps=4)
 
 
+def _ceil_div(a, b: int):
+    """For ints and SymInts (the fake's batch), on every call's host path: triton.cdiv, a Triton
+    constexpr function, costs a few microseconds a call."""
+    return -(-a // b)
+
+
 def rows_per_part(split: str) -> int:
     """The batch's rows each part of the statistics covers: a consumer's rows of y's tile, or, y^T's tile
     computed (split x), its columns."""
     return TILE // 2 if split == "weight" else TILE
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
 def warp_specialized_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale: Optional[Tensor],
                             scale_value: float, statistics: bool, split: str, block_rows: int, block_k: int,
                             stages: int) -> tuple[Tensor, Tensor]:
@@ -310,7 +314,7 @@ def warp_specialized_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], s
         raise ValueError(f"warp_specialized_linear: split {split!r} in blocks of {block_rows} rows")
     m, f = x.shape[0], weight.shape[0]
     y = torch.empty((m, f), device=x.device, dtype=torch.float32)
-    n_parts = triton.cdiv(m, rows_per_part(split))
+    n_parts = _ceil_div(m, rows_per_part(split))
     parts = torch.empty(2 * n_parts * f if statistics else 0, device=x.device, dtype=torch.float32)
     a, b, out = (x, weight, y) if split == "weight" else (weight, x, y.t())
     for r0 in range(0, b.shape[0], block_rows):
@@ -333,9 +337,18 @@ def _block_epilogue(split: str, r0: int, bias: Optional[Tensor], scale: Optional
                     n_features, m2_offset)
 
 
-@warp_specialized_linear.register_fake
+# Defined with torch.library.Library, not custom_op: the compiled graph calls it on every step, and custom_op's
+# Python layers (its autograd kernel, the dynamo-disabling wrapper, the outputs' aliasing check) cost more host
+# time than the op's own Python (2-core CPU, kernels mocked out: 43 us per call against 14 for the body alone).
+_LIBRARY = torch.library.Library("fusepass", "FRAGMENT")
+_LIBRARY.define(OP_NAME.split("::")[1] + "(Tensor x, Tensor weight, Tensor? bias, Tensor? scale, float scale_value, "
+                "bool statistics, str split, SymInt block_rows, SymInt block_k, SymInt stages) -> (Tensor, Tensor)")
+_LIBRARY.impl(OP_NAME.split("::")[1], warp_specialized_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(OP_NAME, lib=_LIBRARY)
 def _fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale: Optional[Tensor], scale_value: float,
           statistics: bool, split: str, block_rows: int, block_k: int, stages: int) -> tuple[Tensor, Tensor]:
     m, f = x.shape[0], weight.shape[0]
-    n_parts = triton.cdiv(m, rows_per_part(split))
+    n_parts = _ceil_div(m, rows_per_part(split))
     return x.new_empty((m, f)), x.new_empty((2 * n_parts * f if statistics else 0,))

@@ -91,16 +91,22 @@ def test_offered_only_where_it_runs():
 
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("cuda_graphs", [True, False])
-def test_a_chain_is_offered_it_in_training_under_cuda_graphs_on_hopper(training, cuda_graphs):
-    """Its epilogue keeps batch statistics: an eval chain is not offered it (its reason says why); nor is a
-    chain compiled without CUDA graphs, whose step would pay its launches from Python on the host."""
+def test_a_small_chain_is_offered_it_on_hopper_under_cuda_graphs_only(training, cuda_graphs):
+    """Training (statistics in its epilogue) and eval (the passes after it) alike; a small GEMM not without
+    CUDA graphs, where the step would pay its launches from Python on the host."""
     args = make_args(300, 64, 200, training=training, device="cuda" if ON_HOPPER else "cpu",
                      kernel=KernelOptions(cuda_graphs=cuda_graphs))
     names = list(choice.candidates(args, choice.problem(args, traced=False), traced=False))
-    assert sum("warp-specialized" in n for n in names) == (4 if ON_HOPPER and training and cuda_graphs else 0), names
-    if ON_HOPPER and not training:
-        impl = Implementation("split_w", warp_specialized_gemm.CONFIGS[0])
-        assert "training" in impl.unlaunchable(args)
+    assert sum("warp-specialized" in n for n in names) == (4 if ON_HOPPER and cuda_graphs else 0), names
+
+
+@pytest.mark.parametrize("rows, offered", [(4096, False), (8192, True), (16384, True)])
+def test_without_cuda_graphs_a_gemm_of_enough_flop_is_offered_it(rows, offered):
+    """At 4096 -> 4096 features: 1.4e11 FLOP at 4096 rows (a measured loss in default mode), 2.7e11 at 8192."""
+    args = make_args(8, 4096, 4096, kernel=KernelOptions(cuda_graphs=False))
+    assert choice.warp_specialized_offered(args, rows) is offered
+    graphed = make_args(8, 4096, 4096, kernel=KernelOptions(cuda_graphs=True))
+    assert choice.warp_specialized_offered(graphed, rows)
 
 
 @pytest.mark.parametrize("split, part_rows", [("weight", 64), ("x", 128)])
@@ -176,11 +182,13 @@ def test_through_the_linear_op_and_a_compiled_graph(precision, with_bias):
 @pytest.mark.cuda
 @pytest.mark.parametrize("precision", ["split_w", "split_x"])
 @pytest.mark.parametrize("scale", ["per_feature", "single", "number"])
-def test_a_training_chain_on_it_is_no_further_from_float64_than_eager(precision, scale):
-    """The chain's forward with the statistics from the kernel's epilogue (partial row and feature tiles:
-    1000 rows, 300 features; a consumer's last 64 rows hold 40 of the batch, the last 128 columns of y^T
-    104) and the passes after it: output, batch statistics and running statistics."""
-    args = make_args(1000, 264, 300, scale=scale, tail="gelu_relu", momentum=0.3)
+@pytest.mark.parametrize("training", [True, False])
+def test_a_chain_on_it_is_no_further_from_float64_than_eager(precision, scale, training):
+    """The chain's forward with, in training, the statistics from the kernel's epilogue (partial row and
+    feature tiles: 1000 rows, 300 features; a consumer's last 64 rows hold 40 of the batch, the last 128
+    columns of y^T 104), and the passes after it: output, batch statistics and running statistics; in
+    eval, the output from the running statistics."""
+    args = make_args(1000, 264, 300, scale=scale, tail="gelu_relu", momentum=0.3, training=training)
     impl = Implementation(precision, warp_specialized_gemm.CONFIGS[0])
     assert impl.unlaunchable(args) is None
     assert_like_eager(impl(args), args)
