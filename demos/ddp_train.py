@@ -2,17 +2,18 @@
 SyncBatchNorm chains (the user's own convert_sync_batchnorm), eager DDP / Inductor DDP / fusepass DDP.
 
     torchrun --nproc-per-node 2 demos/ddp_train.py [--problems demos/problems/gemm_scale_batchnorm.py ...]
-        [--precision fp32 bf16-autocast] [--steps 20] [--json results.json] [--profile]
+        [--precision fp32 bf16-autocast] [--steps 20] [--json results.json] [--profile [PROVIDER ...]]
 
 Each rank trains on its own batch of the problem's batch size over the world size (the reference batch
 split across the GPUs), for --warmup steps and then --steps timed steps (forward, backward, SGD step).
 Every rank prints what fusepass fused; rank 0 prints the median step time of each provider, timed with
 CUDA events over a fixed number of steps (all ranks must run the same steps: their collectives pair up,
-so do_bench's own choice of repetitions cannot be used). --profile: after timing, rank 0 also prints each
-provider's host time per step (the steps queued without synchronizing), the CUDA kernels of --steps
-steps (torch.profiler) and the Python functions taking the host's time (cProfile); every rank runs the
-profiled steps, so that the collectives pair up. On a machine without GPUs it runs on CPU with
-gloo, shrunk (--shrink), plain batch norm only: DDP refuses SyncBatchNorm on CPU.
+so do_bench's own choice of repetitions cannot be used). --profile: after timing, rank 0 also prints the
+named providers' (every provider's if none is named) host time per step (the steps queued without
+synchronizing), the CUDA kernels of --steps steps (torch.profiler) and the Python functions taking the
+host's time (cProfile); every rank runs the profiled steps, so that the collectives pair up. On a
+machine without GPUs it runs on CPU with gloo, shrunk (--shrink), plain batch norm only: DDP refuses
+SyncBatchNorm on CPU.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--shrink", type=int, default=16, help="on CPU: divide the problem's sizes by this")
     parser.add_argument("--json", help="rank 0 writes the results here")
-    parser.add_argument("--profile", action="store_true", help="rank 0 prints host time and kernels per provider")
+    parser.add_argument("--profile", nargs="*", choices=PROVIDERS,
+                        help="rank 0 prints host time and kernels of these providers (every one if none is named)")
     return parser.parse_args()
 
 
@@ -99,7 +101,7 @@ def run_case(path: str, norm: str, precision: str, args, device: torch.device, r
         step = training_step(provider, copy.deepcopy(base), inputs, precision, device)
         times = timed(step, args.warmup, args.steps, device)
         case["ms"][provider] = statistics.median(times)
-        if args.profile:
+        if args.profile is not None and provider in (args.profile or PROVIDERS):
             report = profile_steps(step, args.steps, device)
             if rank == 0:
                 print(f"\n== {case['problem']} {norm} {precision} {provider} ==\n{report}", flush=True)

@@ -68,20 +68,22 @@ def test_explain_and_dump():
 @pytest.mark.slow
 def test_ddp_train_demo_runs_under_torchrun_on_cpu(tmp_path):
     """demos/ddp_train.py with two gloo ranks, shrunk: fused counts per rank, a JSON of step times, and
-    rank 0's profile of each provider."""
+    rank 0's profile of the providers named (every provider is timed)."""
     out = tmp_path / "ddp.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              str(DEMOS / "ddp_train.py"), "--problems", str(DEMOS / "problems" / "mlp_batchnorm.py"),
-                             "--steps", "2", "--warmup", "1", "--shrink", "32", "--json", str(out), "--profile"],
+                             "--steps", "2", "--warmup", "1", "--shrink", "32", "--json", str(out),
+                             "--profile", "inductor", "fusepass"],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         counts = "{'graphs': 1, 'rewrites': 2, 'linears': 1, 'fallbacks': 0}"
         assert f"rank {rank}: mlp_batchnorm batch_norm fp32: fusepass {counts}" \
             in result.stdout, result.stdout
-    for provider in ("eager", "inductor", "fusepass"):
+    for provider in ("inductor", "fusepass"):
         assert f"== mlp_batchnorm batch_norm fp32 {provider} ==\nhost " in result.stdout, result.stdout
-    assert result.stdout.count("over 2 steps") == 3 and result.stdout.count("function calls") == 3
+    assert "fp32 eager ==" not in result.stdout
+    assert result.stdout.count("over 2 steps") == 2 and result.stdout.count("function calls") == 2
     [case] = json.loads(out.read_text())["results"]
     assert set(case["ms"]) == {"eager", "inductor", "fusepass"} and case["fused"]["rewrites"] == 2
