@@ -92,8 +92,8 @@ def test_offered_only_where_it_runs():
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_a_small_chain_is_offered_it_on_hopper_under_cuda_graphs_only(training, cuda_graphs):
-    """Training (statistics in its epilogue) and eval (the passes after it) alike; a small GEMM not without
-    CUDA graphs, where the step would pay its launches from Python on the host."""
+    """Training (statistics in its epilogue) and eval (the passes after it) alike; a small GEMM only under
+    CUDA graphs: without them the step would pay its launches from Python on the host."""
     args = make_args(300, 64, 200, training=training, device="cuda" if ON_HOPPER else "cpu",
                      kernel=KernelOptions(cuda_graphs=cuda_graphs))
     names = list(choice.candidates(args, choice.problem(args, traced=False), traced=False))
