@@ -34,6 +34,12 @@ def hint(size) -> int:
     return int(node.hint) if node.has_hint() else int(node.shape_env.size_hint(node.expr))
 
 
+def ceil_div(a, b: int):
+    """triton.cdiv's formula, for ints and SymInts, without its cost: triton.cdiv is a Triton constexpr
+    function (a few microseconds a call), too dear on the host path of an op that runs on every step."""
+    return (a + b - 1) // b
+
+
 def tracing() -> bool:
     """Whether a dispatch mode (fake tensors, functionalization, FX tracing, a user's mode) is active,
     i.e. the tensors reaching a kernel may not be real device memory."""

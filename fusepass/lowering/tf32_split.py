@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.lowering.launch import launch, present_or_placeholder, unused_pointer
+from fusepass.lowering.launch import ceil_div, launch, present_or_placeholder, unused_pointer
 from fusepass.lowering.tiles import tile_offsets
 
 SPLIT_ROW_ALIGNMENT = 16  # elements: a split operand's rows are 64-byte aligned, whatever its width
@@ -87,7 +87,7 @@ def _split_buffer(t: Tensor) -> Tensor:
 def _launch_split(t: Tensor, hi: Tensor, lo: Optional[Tensor], after: Optional[Tensor]) -> None:
     rows, cols = t.shape
     block = 64
-    grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
+    grid = (ceil_div(rows, block), ceil_div(cols, block))
     # An absent tensor is a placeholder, not hi again: traced, a buffer in two slots of which the kernel
     # writes one is cloned by Inductor (launch.unused_pointer).
     placeholder = unused_pointer(t.device)

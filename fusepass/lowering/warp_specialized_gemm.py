@@ -38,6 +38,7 @@ from torch import Tensor
 
 from fusepass.lowering import limits
 from fusepass.lowering.gemm_configs import GemmConfig
+from fusepass.lowering.launch import ceil_div
 from fusepass.lowering.tf32_split import split_tf32
 from fusepass.lowering.tiles import SCALE_NUMBER, SCALE_PER_FEATURE, SCALE_SINGLE, scale_mode
 
@@ -277,7 +278,7 @@ def gemm_into(out: Tensor, a: Tensor, hi: Tensor, lo: Tensor, k: int, block_k: i
     a_k_major = a.stride(1) == 1 or a.shape[1] == 1  # as limits.tma_layout reads it (unlaunchable)
     a_desc = _descriptor(a, m, k, (TILE, block_k)) if a_k_major else _descriptor(a.t(), k, m, (block_k, TILE))
     hi_desc, lo_desc = (_descriptor(t, n, k, (TILE, block_k)) for t in (hi, lo))
-    grid = (_ceil_div(m, TILE) * _ceil_div(n, TILE),)
+    grid = (ceil_div(m, TILE) * ceil_div(n, TILE),)
     e = epilogue
     _gemm_kernel[grid](
         a_desc, hi_desc, lo_desc,
@@ -287,12 +288,6 @@ def gemm_into(out: Tensor, a: Tensor, hi: Tensor, lo: Tensor, k: int, block_k: i
         BLOCK_M=TILE, A_K_MAJOR=a_k_major, STATISTICS=e.parts is not None, TRANSPOSED=transposed,
         HAS_BIAS=e.bias is not None, SCALE_MODE=scale_mode(e.scale) if e.parts is not None else SCALE_NUMBER.value,
         STAGES=stages, GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS, num_warps=4)
-
-
-def _ceil_div(a, b: int):
-    """For ints and SymInts (the fake's batch), on every call's host path: triton.cdiv, a Triton
-    constexpr function, costs a few microseconds a call."""
-    return -(-a // b)
 
 
 def rows_per_part(split: str) -> int:
@@ -314,7 +309,7 @@ def warp_specialized_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], s
         raise ValueError(f"warp_specialized_linear: split {split!r} in blocks of {block_rows} rows")
     m, f = x.shape[0], weight.shape[0]
     y = torch.empty((m, f), device=x.device, dtype=torch.float32)
-    n_parts = _ceil_div(m, rows_per_part(split))
+    n_parts = ceil_div(m, rows_per_part(split))
     parts = torch.empty(2 * n_parts * f if statistics else 0, device=x.device, dtype=torch.float32)
     a, b, out = (x, weight, y) if split == "weight" else (weight, x, y.t())
     for r0 in range(0, b.shape[0], block_rows):
@@ -351,5 +346,5 @@ _LIBRARY.impl(OP_NAME.split("::")[1], warp_specialized_linear, "CompositeExplici
 def _fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale: Optional[Tensor], scale_value: float,
           statistics: bool, split: str, block_rows: int, block_k: int, stages: int) -> tuple[Tensor, Tensor]:
     m, f = x.shape[0], weight.shape[0]
-    n_parts = _ceil_div(m, rows_per_part(split))
+    n_parts = ceil_div(m, rows_per_part(split))
     return x.new_empty((m, f)), x.new_empty((2 * n_parts * f if statistics else 0,))
