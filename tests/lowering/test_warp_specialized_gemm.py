@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from fusepass.lowering import choice, gemm_configs, linear, warp_specialized_gemm
 from fusepass.lowering.implementations import Implementation
+from fusepass.lowering.launch import ceil_div
 from fusepass.lowering.schema import KernelOptions
 from fusepass.numerics import rel_error
 from tests.chains import requires_cuda
@@ -117,6 +120,23 @@ def test_the_ops_fake_is_an_fp32_product_with_its_partials(split, part_rows):
         _, none = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, False, split, 128, 32, 4)
     assert y.shape == (300, 7) and y.dtype == torch.float32
     assert parts.shape == (2 * -(-300 // part_rows) * 7,) and none.shape == (0,)
+
+
+@pytest.mark.parametrize("split, part_rows", [("weight", 64), ("x", 128)])
+def test_the_ops_fake_counts_the_parts_of_a_symbolic_batch(split, part_rows):
+    """Traced with a symbolic batch, as a compiled graph with a dynamic batch calls it: the parts' count
+    is a ceiling division of the batch (launch.ceil_div, triton.cdiv's formula), at any batch."""
+    def op(x, w):
+        return torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, split, 1024, 32, 4)
+    graph = make_fx(op, tracing_mode="symbolic")(torch.empty(1000, 8), torch.empty(7, 8)).graph
+    x, w = (n.meta["val"] for n in graph.nodes if n.op == "placeholder")
+    [parts] = [n.meta["val"] for n in graph.nodes if n.op == "call_function" and n.args[1:] == (1,)]
+    (numel,) = parts.shape
+    batch, features = x.shape[0].node.expr, w.shape[0].node.expr
+    assert numel.node.expr.free_symbols == {batch, features}
+    for rows in (1, part_rows - 1, part_rows, 1000, 4097):
+        assert numel.node.expr.subs({batch: rows, features: 7}) == 2 * 7 * triton.cdiv(rows, part_rows)
+        assert ceil_div(rows, part_rows) == triton.cdiv(rows, part_rows)
 
 
 @pytest.mark.parametrize("split, block_rows", [("both", 128), ("x", 200)])
