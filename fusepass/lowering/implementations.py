@@ -57,14 +57,18 @@ class Implementation:
             limits.off_device(x.device, [a for a in flatten(args) if isinstance(a, Tensor)]),
             limits.some_rows(x.shape[0]),
             limits.column_grid(n_features),
-            self._gemm_unlaunchable(args) if self.config else None,
+            gemm_unlaunchable(x, args.linear.compute_weight_like(), args.out_dtype, self.precision, self.config)
+            if self.config else None,
         )
 
-    def _gemm_unlaunchable(self, args: ChainArgs) -> Optional[str]:
-        x, weight = args.linear.x, args.linear.compute_weight_like()
-        if not self.config.warp_specialized:
-            return gemm.unlaunchable(x, weight, self.precision, self.config)
-        return warp_specialized_gemm.unlaunchable(x, weight, args.out_dtype, prepared(self.precision).operand)
+
+def gemm_unlaunchable(x: Tensor, weight: Tensor, out_dtype: torch.dtype, precision: str,
+                      config: gemm_configs.GemmConfig) -> Optional[str]:
+    """Why x @ weight^T cannot run in `precision` on config's GEMM kernel (the Triton GEMM, or the
+    warp-specialized Gluon one splitting the precision's operand), or None."""
+    if config.warp_specialized:
+        return warp_specialized_gemm.unlaunchable(x, weight, out_dtype, prepared(precision).operand)
+    return gemm.unlaunchable(x, weight, precision, config)
 
 
 def on_triton_gemm(args: ChainArgs, precision: str, config: gemm_configs.GemmConfig) -> ChainOutputs:

@@ -25,7 +25,7 @@ from torch import Tensor
 from fusepass.lowering import gemm, gemm_configs, limits, tuning, warp_specialized_gemm
 from fusepass.lowering.choice import cublas_traceable, gemm_option, matmul_precision, triton_configs
 from fusepass.lowering.gemm_precisions import PRE_SPLIT, prepared, prepared_variant, prepares
-from fusepass.lowering.implementations import cublas_precision
+from fusepass.lowering.implementations import cublas_precision, gemm_unlaunchable
 from fusepass.lowering.launch import hint, stored
 from fusepass.lowering.schema import FLOAT16_DTYPES, KernelOptions, Linear
 from fusepass.lowering.tf32_split import split_row_stride
@@ -95,12 +95,8 @@ class LinearImplementation:
         empty = limits.first(*(limits.some_rows(size) for size in (*call.x.shape, call.weight.shape[0])))
         if empty:
             return empty
-        if self.config.warp_specialized:
-            kernel = warp_specialized_gemm.unlaunchable(call.x, call.weight, _out_dtype(call),
-                                                        prepared(self.precision).operand)
-        else:
-            kernel = gemm.unlaunchable(call.x, call.weight, self.precision, self.config)
-        return limits.first(limits.off_device(call.x.device, (call.weight, call.bias)), kernel,
+        return limits.first(limits.off_device(call.x.device, (call.weight, call.bias)),
+                            gemm_unlaunchable(call.x, call.weight, _out_dtype(call), self.precision, self.config),
                             _copy_past_limit(call, self.precision, self.config))
 
 
