@@ -25,7 +25,6 @@ import triton
 from tabulate import tabulate
 
 from fusepass.lowering import gemm, gemm_configs, linear, warp_specialized_gemm
-from fusepass.lowering.gemm_precisions import PRE_SPLIT
 from fusepass.lowering.schema import Linear
 from fusepass.measure import source_commit
 from fusepass.numerics import rel_error
@@ -84,11 +83,10 @@ def _warp_specialized(x, w, exact) -> tuple[float, str, float]:
     (ms, config, error); the split operand's blocks are the linear op's."""
     times = []
     call = linear.LinearCall(x, w, None, "tf32x3", "triton")
-    for split in PRE_SPLIT:
-        for config in warp_specialized_gemm.CONFIGS:
-            impl = linear.LinearImplementation(split, config)
-            if impl.unlaunchable(call) is None:
-                times.append((bench(lambda: impl(call)), f"{split} {config.describe()}", rel_error(impl(call), exact)))
+    for split, config in warp_specialized_gemm.CANDIDATES:
+        impl = linear.LinearImplementation(split, config)
+        if impl.unlaunchable(call) is None:
+            times.append((bench(lambda: impl(call)), f"{split} {config.describe()}", rel_error(impl(call), exact)))
     return min(times, default=(float("inf"), "", float("nan")))
 
 

@@ -121,7 +121,7 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
             impl = Implementation(p, config)
             found[impl.name] = impl
         if variant in PRE_SPLIT and args.kernel.operand_copies and warp_specialized_offered(args, rows):
-            for impl in (Implementation(p, config) for p in PRE_SPLIT for config in warp_specialized_gemm.CONFIGS):
+            for impl in (Implementation(p, config) for p, config in warp_specialized_gemm.CANDIDATES):
                 found[impl.name] = impl
     if (choice in ("auto", "cublas") or not found) and (not traced or cublas_traceable(precision)):
         found["cublas"] = Implementation(precision)

@@ -289,8 +289,7 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
         found += [LinearImplementation(p, config) for p, config in
                   triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
         if variant in PRE_SPLIT and copies:
-            found += [LinearImplementation(split, config) for split in PRE_SPLIT
-                      for config in warp_specialized_gemm.CONFIGS]
+            found += [LinearImplementation(split, config) for split, config in warp_specialized_gemm.CANDIDATES]
         if not k_major and search == "full" and copies:
             found.append(LinearImplementation(precision, gemm_configs.candidates(precision, x.dtype)[0], True))
         found = [impl for impl in found if impl.unlaunchable(call) is None]

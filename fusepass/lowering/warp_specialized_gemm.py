@@ -38,6 +38,7 @@ from torch import Tensor
 
 from fusepass.lowering import limits
 from fusepass.lowering.gemm_configs import GemmConfig
+from fusepass.lowering.gemm_precisions import PRE_SPLIT
 from fusepass.lowering.launch import ceil_div
 from fusepass.lowering.tf32_split import split_tf32
 from fusepass.lowering.tiles import SCALE_NUMBER, SCALE_PER_FEATURE, SCALE_SINGLE, scale_mode
@@ -65,6 +66,8 @@ CONFIGS = [GemmConfig(TILE, TILE, 32, GROUP_M, 4, 4, warp_specialized=True),
 
 
 SPLIT_OPERANDS = ("weight", "x")  # which operand of x @ W^T the op splits in memory
+# What the tuners are offered: each precision that splits an operand in memory with each config
+CANDIDATES = [(precision, config) for precision in PRE_SPLIT for config in CONFIGS]
 
 
 def unlaunchable(x: Tensor, weight: Tensor, out_dtype: torch.dtype, split: str = "weight") -> Optional[str]:
