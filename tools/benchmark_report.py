@@ -840,6 +840,12 @@ def largest_batch_table(sources: list[Source]) -> Optional[str]:
                            "file"]) if rows else None
 
 
+FORWARD_GEMM_NOTE = {"fp32": " On Hopper the chain's forward GEMM on the warp-specialized kernel (launched from "
+                             "Python) is offered without CUDA graphs for GEMMs of at least "
+                             "`choice.UNGRAPHED_MIN_FLOP` (2.5e11 FLOP) in a graph with a backward (train mode "
+                             "here) and `choice.INFERENCE_MIN_FLOP` (3e10) in one without (eval here)."}
+
+
 def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
            shape_changes: Optional[list[Source]] = None, largest_batch: Optional[list[Source]] = None,
            bucket_vs_exact: Optional[list[Source]] = None, gemm_alone: Optional[list[Source]] = None) -> str:
@@ -851,7 +857,7 @@ def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
              METHOD, "", floor_text(), ""]
     for precision, title in (("fp32", "fp32"), ("tf32", "tf32"), ("bf16-autocast", "bf16 autocast")):
         parts += section(f"Forward, {title}", f"Forward of the model, `--precision {precision}`, train and eval "
-                         "modes.", forward_table(rows, precision))
+                         "modes." + FORWARD_GEMM_NOTE.get(precision, ""), forward_table(rows, precision))
     parts += section("Training step", "Forward + backward in train mode (`--backward`), in Inductor's default mode "
                      "and with CUDA graphs (`mode=\"reduce-overhead\"`; each call a new step, as a training loop "
                      "runs it); the floor counts three GEMMs per linear (forward, dX, dW) at fusepass's precision, "

@@ -129,18 +129,24 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
 
 
 # The warp-specialized GEMM launches from Python (an opaque op: 0.2-0.3 ms of host per call on the H100
-# machine's host), so without CUDA graphs it is offered only for GEMMs whose GPU time hides that. H100,
-# fp32 training steps in default mode, offered against not: 16384 x 4096 -> 4096 (5.5e11 FLOP per GEMM)
-# 9.893 against 11.121 ms; gemm_batchnorm_scale_softmax at 1024 x 8192 -> 8192 (1.4e11) 3.335 against
-# 3.058; MLP(1024, [4096, 4096, 256]) at 4096 rows (up to 1.4e11) 7.039 against 6.225 (host-bound steps).
+# machine's host), so without CUDA graphs it is offered only for GEMMs whose GPU time hides that. A training
+# step (whose backward launches more from Python) needs a large GEMM. H100, fp32 training steps in default
+# mode, offered against not: 16384 x 4096 -> 4096 (5.5e11 FLOP per GEMM) 9.893 against 11.121 ms;
+# gemm_batchnorm_scale_softmax at 1024 x 8192 -> 8192 (1.4e11) 3.335 against 3.058; MLP(1024, [4096, 4096,
+# 256]) at 4096 rows (up to 1.4e11) 7.039 against 6.225 (host-bound steps).
 UNGRAPHED_MIN_FLOP = 2.5e11
+# An inference graph (no backward) is GPU-bound from GEMMs that take longer than the op's host time: 3e10
+# FLOP is 0.3 ms at 100 TFLOP/s. H100, eval forwards under no_grad, offered at every size against not:
+# gemm_batchnorm_scale_softmax at 1024 x 8192 -> 8192 1.121 against 1.350 ms; the MLP 1.612 against 1.961.
+INFERENCE_MIN_FLOP = 3e10
 
 
 def warp_specialized_offered(args: ChainArgs, rows: int) -> bool:
     """Whether the chain is offered the warp-specialized GEMM (where it can launch): under CUDA graphs,
-    or for a GEMM of at least UNGRAPHED_MIN_FLOP at `rows` (the bucket's)."""
+    or for a GEMM of at least UNGRAPHED_MIN_FLOP at `rows` (the bucket's), INFERENCE_MIN_FLOP where no
+    backward follows (the op saves no linear output)."""
     flop = 2 * rows * hint(args.linear.x.shape[1]) * hint(args.n_features)
-    return args.kernel.cuda_graphs or flop >= UNGRAPHED_MIN_FLOP
+    return args.kernel.cuda_graphs or flop >= (UNGRAPHED_MIN_FLOP if args.save_linear_out else INFERENCE_MIN_FLOP)
 
 
 def stand_ins(args: ChainArgs) -> ChainArgs:

@@ -104,12 +104,22 @@ def test_a_small_chain_is_offered_it_on_hopper_under_cuda_graphs_only(training, 
 
 
 @pytest.mark.parametrize("rows, offered", [(4096, False), (8192, True), (16384, True)])
-def test_without_cuda_graphs_a_gemm_of_enough_flop_is_offered_it(rows, offered):
+def test_without_cuda_graphs_a_training_gemm_of_enough_flop_is_offered_it(rows, offered):
     """At 4096 -> 4096 features: 1.4e11 FLOP at 4096 rows (a measured loss in default mode), 2.7e11 at 8192."""
-    args = make_args(8, 4096, 4096, kernel=KernelOptions(cuda_graphs=False))
+    args = make_args(8, 4096, 4096, save_linear_out=True, kernel=KernelOptions(cuda_graphs=False))
     assert choice.warp_specialized_offered(args, rows) is offered
-    graphed = make_args(8, 4096, 4096, kernel=KernelOptions(cuda_graphs=True))
+    graphed = make_args(8, 4096, 4096, save_linear_out=True, kernel=KernelOptions(cuda_graphs=True))
     assert choice.warp_specialized_offered(graphed, rows)
+
+
+@pytest.mark.parametrize("rows, offered", [(64, False), (1024, True), (4096, True)])
+def test_without_cuda_graphs_an_inference_gemm_needs_less_flop(rows, offered):
+    """No backward (no linear output saved): at 4096 -> 4096 features, 2.1e9 FLOP at 64 rows is not
+    offered, 3.4e10 at 1024 is (a training step of it is not)."""
+    inference = make_args(8, 4096, 4096, save_linear_out=False, kernel=KernelOptions(cuda_graphs=False))
+    assert choice.warp_specialized_offered(inference, rows) is offered
+    training = make_args(8, 4096, 4096, save_linear_out=True, kernel=KernelOptions(cuda_graphs=False))
+    assert not choice.warp_specialized_offered(training, rows)
 
 
 @pytest.mark.parametrize("split, part_rows", [("weight", 64), ("x", 128)])
