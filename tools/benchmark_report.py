@@ -843,7 +843,8 @@ def largest_batch_table(sources: list[Source]) -> Optional[str]:
 FORWARD_GEMM_NOTE = {"fp32": " On Hopper the chain's forward GEMM on the warp-specialized kernel (launched from "
                              "Python) is offered without CUDA graphs for GEMMs of at least "
                              "`choice.UNGRAPHED_MIN_FLOP` (2.5e11 FLOP) in a graph with a backward (train mode "
-                             "here) and `choice.INFERENCE_MIN_FLOP` (3e10) in one without (eval here)."}
+                             "here), `choice.INFERENCE_MIN_FLOP` (3e10) in one without (eval here), and at any "
+                             "size for a matmul head, whose (in, out) W the Triton GEMM would copy."}
 
 
 def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
@@ -864,7 +865,7 @@ def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
                      "and \"of floor\" is against fusepass's default mode. In fp32 on Hopper, fusepass's mode "
                      "decides one candidate: the chain's forward GEMM on the warp-specialized kernel (launched from "
                      "Python) is offered with CUDA graphs, and without them only for GEMMs of at least "
-                     "`choice.UNGRAPHED_MIN_FLOP` (2.5e11 FLOP).", training_table(rows))
+                     "`choice.UNGRAPHED_MIN_FLOP` (2.5e11 FLOP) and for matmul heads.", training_table(rows))
     parts += section("GEMM alone", GEMM_INTRO, gemm_alone_table(gemm_alone or []))
     parts += section("Small shapes, 128×1024→512", "Both problems at `--size 128,1024,512`, forwards and training "
                      "steps. Their floor is a few microseconds: these times are launch and host overhead.",

@@ -3,6 +3,7 @@ without one, is offered only where it can run, and on an H100/H200 is as exact a
 at shapes that leave partial tiles in every dimension, alone, through the linear op and in a compiled
 graph. Gluon kernels have no interpreter: on CPU only their compilation and the op's plumbing are tested."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -122,6 +123,17 @@ def test_without_cuda_graphs_an_inference_gemm_needs_less_flop(rows, offered):
     assert not choice.warp_specialized_offered(training, rows)
 
 
+@pytest.mark.parametrize("save_linear_out", [True, False])
+def test_a_matmul_heads_weight_is_offered_it_at_any_size(save_linear_out):
+    """An (in, out) W seen as (out, in): the Triton GEMM would copy it K-major on every call."""
+    args = make_args(8, 64, 48, save_linear_out=save_linear_out, kernel=KernelOptions(cuda_graphs=False))
+    in_out = args.linear.weight.t().contiguous().t()
+    head = dataclasses.replace(args, linear=dataclasses.replace(args.linear, weight=in_out))
+    assert head.linear.weight.stride() == (1, 48)
+    assert choice.warp_specialized_offered(head, 8)
+    assert not choice.warp_specialized_offered(args, 8)
+
+
 @pytest.mark.parametrize("split, part_rows", [("weight", 64), ("x", 128)])
 def test_the_ops_fake_is_an_fp32_product_with_its_partials(split, part_rows):
     with FakeTensorMode():
@@ -213,12 +225,16 @@ def test_through_the_linear_op_and_a_compiled_graph(precision, with_bias):
 @pytest.mark.parametrize("precision", ["split_w", "split_x"])
 @pytest.mark.parametrize("scale", ["per_feature", "single", "number"])
 @pytest.mark.parametrize("training", [True, False])
-def test_a_chain_on_it_is_no_further_from_float64_than_eager(precision, scale, training):
+@pytest.mark.parametrize("head", ["linear", "matmul"])
+def test_a_chain_on_it_is_no_further_from_float64_than_eager(precision, scale, training, head):
     """The chain's forward with, in training, the statistics from the kernel's epilogue (partial row and
     feature tiles: 1000 rows, 300 features; a consumer's last 64 rows hold 40 of the batch, the last 128
     columns of y^T 104), and the passes after it: output, batch statistics and running statistics; in
-    eval, the output from the running statistics."""
+    eval, the output from the running statistics. A matmul head's W is (in, out), seen as (out, in)."""
     args = make_args(1000, 264, 300, scale=scale, tail="gelu_relu", momentum=0.3, training=training)
+    if head == "matmul":
+        in_out = args.linear.weight.t().contiguous().t()
+        args = dataclasses.replace(args, linear=dataclasses.replace(args.linear, weight=in_out))
     impl = Implementation(precision, warp_specialized_gemm.CONFIGS[0])
     assert impl.unlaunchable(args) is None
     assert_like_eager(impl(args), args)
