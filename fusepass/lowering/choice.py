@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fusepass.lowering import gemm_configs, tuning, warp_specialized_gemm
+from fusepass.lowering import gemm_configs, limits, tuning, warp_specialized_gemm
 from fusepass.lowering.gemm_precisions import PRE_SPLIT, prepared_variant
 from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.launch import hint
@@ -150,9 +150,7 @@ def warp_specialized_offered(args: ChainArgs, rows: int) -> bool:
     head's (in, out) W seen as (out, in)), which the Triton GEMM reads through a K-major copy made on
     every call (gemm.needs_k_major_copy: W's size again) and this kernel reads in place."""
     flop = 2 * rows * hint(args.linear.x.shape[1]) * hint(args.n_features)
-    weight = args.linear.weight
-    k_major = weight.stride(1) == 1 or weight.shape[1] == 1
-    return (args.kernel.cuda_graphs or not k_major
+    return (args.kernel.cuda_graphs or not limits.k_major(args.linear.weight)
             or flop >= (UNGRAPHED_MIN_FLOP if args.save_linear_out else INFERENCE_MIN_FLOP))
 
 

@@ -51,6 +51,12 @@ def column_grid(n_cols: int) -> Optional[str]:
     return None
 
 
+def k_major(t: Tensor) -> bool:
+    """Whether a 2-D operand's rows are contiguous (a GEMM's K-major operand, as TMA and TF32 tensor cores
+    read it)."""
+    return t.stride(1) == 1 or t.shape[1] == 1
+
+
 def tma_layout(*tensors: Tensor, device: Optional[torch.device] = None) -> Optional[str]:
     """What TMA descriptors need of their tensors, made on the host or inside a kernel: Hopper (`device`'s,
     else the first tensor's), a contiguous last dimension, a 16-byte aligned row stride and start offset,
@@ -60,7 +66,7 @@ def tma_layout(*tensors: Tensor, device: Optional[torch.device] = None) -> Optio
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
         return "TMA needs Hopper or newer"
     for t in tensors:
-        if t.dim() != 2 or (t.stride(1) != 1 and t.shape[1] != 1):
+        if t.dim() != 2 or not k_major(t):
             return f"a TMA operand of strides {t.stride()} has no contiguous last dimension"
         if (t.stride(0) * t.element_size()) % 16 or (t.storage_offset() * t.element_size()) % 16:
             return "a TMA operand's row stride or offset is not 16-byte aligned"

@@ -241,7 +241,7 @@ def problem(call: LinearCall, traced: bool) -> Problem:
 
 
 def _layout(call: LinearCall) -> str:
-    return "".join("k" if _k_major(t) else "m" for t in (call.x, call.weight))
+    return "".join("k" if limits.k_major(t) else "m" for t in (call.x, call.weight))
 
 
 def _reduces_over_batch(call: LinearCall) -> bool:
@@ -280,10 +280,10 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
     search = tuning.search()
     found: list[LinearImplementation] = []
     if gemm_choice in ("auto", "triton") and precision != "ieee":
-        k_major = _k_major(x) and _k_major(weight)
+        k_major = limits.k_major(x) and limits.k_major(weight)
         copies = call.kernel_operand_copies
         precisions = [precision]
-        variant = prepared_variant(precision, m * k, n * k, weight_k_major=_k_major(weight))
+        variant = prepared_variant(precision, m * k, n * k, weight_k_major=limits.k_major(weight))
         if variant and copies:
             precisions = [precision, variant] if k_major else [variant] + ([precision] if search == "full" else [])
         found += [LinearImplementation(p, config) for p, config in
@@ -318,12 +318,8 @@ def _fake(call: LinearCall) -> Tensor:
     return call.x.new_empty((call.x.shape[0], call.weight.shape[0]), dtype=_out_dtype(call))
 
 
-def _k_major(t: Tensor) -> bool:
-    return t.stride(1) == 1 or t.shape[1] == 1
-
-
 def _k_major_copy(t: Tensor) -> Tensor:
-    return t if _k_major(t) else t.contiguous()
+    return t if limits.k_major(t) else t.contiguous()
 
 
 LINEAR = TunedOp(Declaration(

@@ -278,7 +278,7 @@ def gemm_into(out: Tensor, a: Tensor, hi: Tensor, lo: Tensor, k: int, block_k: i
     """out = a @ (hi + lo)^T, the halves' first k columns (split_tf32's buffers), in TILE x TILE tiles; out of
     any strides, a K-major or else MN-major; `transposed`: out is y^T (its rows are y's features)."""
     m, n = a.shape[0], hi.shape[0]
-    a_k_major = a.stride(1) == 1 or a.shape[1] == 1  # as limits.tma_layout reads it (unlaunchable)
+    a_k_major = limits.k_major(a)  # as limits.tma_layout reads it (unlaunchable)
     a_desc = _descriptor(a, m, k, (TILE, block_k)) if a_k_major else _descriptor(a.t(), k, m, (block_k, TILE))
     hi_desc, lo_desc = (_descriptor(t, n, k, (TILE, block_k)) for t in (hi, lo))
     grid = (ceil_div(m, TILE) * ceil_div(n, TILE),)
