@@ -159,6 +159,16 @@ def test_newer_rows_win(tmp_path):
     assert "new.json" in sources and "old.json" not in sources  # nothing of it is shown
 
 
+def test_a_ratio_is_of_two_rows_of_one_run(tmp_path):
+    """A later run of some providers leaves max-autotune's older row shown, but no ratio against it."""
+    old = four_providers()
+    new = [result("eager", 4.0), result("inductor", 3.0), result("fusepass", 2.0)]
+    text = write_report(tmp_path, {"old": payload(old, date="2029-01-01T00:00:00+00:00"), "new": payload(new)})
+    cells = table_line(text, "Forward, fp32", "gemm_scale_batchnorm 1024×8192→8192", "train")
+    assert cells[2:6] == ["4.000", "3.000", "2.643", "2.000"]
+    assert cells[6:9] == ["2.00×", "1.50×", "-"]
+
+
 def test_small_shapes_and_unknown_gpu(tmp_path):
     small = [result(p, ms, problem="gemm_scale_batchnorm@128x1024x512", size=[128, 1024, 512])
              for p, ms in (("eager", 0.05), ("fusepass", 0.1))]

@@ -440,8 +440,12 @@ def spread(result: dict) -> str:
 
 def ratio_cell(numerator: Optional[Row], denominator: Optional[Row], key: str = "median_ms") -> str:
     """One row's value over another's. The speed tables put another provider's time over fusepass's
-    (above 1, fusepass is faster); the memory table, fusepass's peak over another's (below 1, it holds less)."""
+    (above 1, fusepass is faster); the memory table, fusepass's peak over another's (below 1, it holds less).
+    Only of two rows one run measured (one JSON file): a later run of some providers leaves the others' older
+    rows beside them, on another day or machine."""
     if numerator is None or denominator is None or not numerator.usable or not denominator.usable:
+        return MISSING
+    if numerator.source.path != denominator.source.path:
         return MISSING
     a, b = numerator.result.get(key), denominator.result.get(key)
     return f"{a / b:.2f}×" if a is not None and b else MISSING
@@ -658,7 +662,8 @@ float64 copy on fresh input draws (a provider that is wrong, or whose graphs fel
 Inductor, shows "wrong" and is not timed), then times it with `triton.testing.do_bench` (CUDA events,
 L2 flushed between calls). Times are medians in ms. Train-mode forwards run with grad enabled (a
 training step's forward); eval-mode forwards run under `torch.no_grad()`. max-autotune is Inductor's
-`mode="max-autotune-no-cudagraphs"`. "vs X" is X's median over fusepass's: above 1, fusepass is faster.
+`mode="max-autotune-no-cudagraphs"`. "vs X" is X's median over fusepass's, both from one run (one JSON
+file; "-" where the newest rows of the two come from different runs): above 1, fusepass is faster.
 A median whose 20th and 80th percentiles are more than 1.5× apart has them beside it in parentheses:
 it is noise, not a result. "-" means not measured."""
 
