@@ -19,12 +19,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch import Tensor
 
 from fusepass.lowering import gemm, gemm_configs, limits, warp_specialized_gemm
 from fusepass.lowering.gemm_precisions import prepared
-from fusepass.lowering.launch import hint, tracing
+from fusepass.lowering.launch import ceil_div, hint, tracing
 from fusepass.lowering.normalize import (Partials, Statistics, normalize_linear_output, normalize_training,
                                          output_pass)
 from fusepass.lowering.schema import ChainArgs, ChainOutputs, flatten
@@ -100,15 +99,16 @@ def on_warp_specialized_gemm(args: ChainArgs, precision: str, config: gemm_confi
     the hint runs in more blocks."""
     lin, scale, split = args.linear, args.scale_before, prepared(precision).operand
     training = args.batch_norm.training
-    block_rows = triton.cdiv(hint((lin.x if split == "x" else lin.weight).shape[0]), warp_specialized_gemm.TILE)
+    tile = warp_specialized_gemm.TILE
+    whole = ceil_div(hint((lin.x if split == "x" else lin.weight).shape[0]), tile) * tile
     y, flat_parts = torch.ops.fusepass.warp_specialized_linear(
-        lin.x, lin.weight, lin.bias, scale.tensor, scale.value, training, split,
-        block_rows * warp_specialized_gemm.TILE, config.block_k, config.num_stages)
+        lin.x, lin.weight, lin.bias, scale.tensor, scale.value, training, split, whole, config.block_k,
+        config.num_stages)
     if not training:
         out, stats = normalize_linear_output(y, args, out=_output_buffer(y, args))
         return _outputs(args, out, stats, y)
     part_rows = warp_specialized_gemm.rows_per_part(split)
-    parts = Partials(flat_parts, triton.cdiv(lin.x.shape[0], part_rows), part_rows)
+    parts = Partials(flat_parts, ceil_div(lin.x.shape[0], part_rows), part_rows)
     stats = Statistics.allocate(args.n_features, lin.x.device, args.batch_norm)
     out = _output_buffer(y, args)
     normalize_training(y, parts, stats, args, out)
