@@ -113,7 +113,8 @@ def test_linear_feeding_a_chain_and_fed_by_one_is_rewritten_once_each():
 def test_a_batch_past_the_split_copy_limit_trains_its_weight_gradients_on_cublas(monkeypatch):
     """A symbolic batch: the weight gradients' split copies (a few hundred bytes per row here) stay under
     a 64 KiB limit at 48 and 64 rows and pass it at 600. That batch's graph (compiled again, on a guard)
-    runs those GEMMs on cuBLAS; every step stays exact."""
+    runs those GEMMs on GEMMs that copy nothing: cuBLAS, or on Hopper the warp-specialized GEMM splitting
+    in the kernel; every step stays exact."""
     monkeypatch.setattr(linear, "SPLIT_COPY_LIMIT", 64 << 10)
     torch.manual_seed(23)
     trio = Trio.of(MLP(40, [72, 56, 24]).cuda())
@@ -122,7 +123,8 @@ def test_a_batch_past_the_split_copy_limit_trains_its_weight_gradients_on_cublas
     trio.finish()
     weight_gradients = {problem.sizes[0]: impl.name for (problem, _), impl in linear.LINEAR._chosen.items()
                         if "layout=mm" in problem.family}
-    assert weight_gradients and weight_gradients[1024] == "cublas"
+    past_the_limit = weight_gradients[1024]
+    assert past_the_limit == "cublas" or past_the_limit.endswith("split in kernel"), past_the_limit
     assert all(name.startswith("triton split") for batch, name in weight_gradients.items() if batch <= 64)
 
 

@@ -100,7 +100,8 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
     search takes each precision's gemm_configs.shortlist), by name, the default first; only those that
     can launch for this call (Implementation.unlaunchable). TF32 and 3xTF32 also with the smaller
     operand prepared in memory (gemm_precisions.py), unless the options forbid operand copies, and in
-    3xTF32 the warp-specialized Gluon GEMM splitting either operand (Hopper; warp_specialized_offered).
+    3xTF32 the warp-specialized Gluon GEMM splitting either operand, in memory (unless forbidden) or in
+    the kernel, which copies nothing (Hopper; warp_specialized_offered).
     Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever the gemm option says. TMA tile configs are
     offered where the call is not traced. `traced`: only those that can run inside Inductor's graph (may
     be none; see cublas_traceable)."""
@@ -120,9 +121,10 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
         for p, config in triton_configs(precisions, x.dtype, rows, out_features, x.device, tma=not traced):
             impl = Implementation(p, config)
             found[impl.name] = impl
-        if variant in PRE_SPLIT and args.kernel.operand_copies and warp_specialized_offered(args, rows):
-            for impl in (Implementation(p, config) for p, config in warp_specialized_gemm.CANDIDATES):
-                found[impl.name] = impl
+        if variant in PRE_SPLIT and warp_specialized_offered(args, rows):
+            for p, config in warp_specialized_gemm.CANDIDATES:
+                if args.kernel.operand_copies or config.split_in_kernel:
+                    found[Implementation(p, config).name] = Implementation(p, config)
     if (choice in ("auto", "cublas") or not found) and (not traced or cublas_traceable(precision)):
         found["cublas"] = Implementation(precision)
     return {name: impl for name, impl in found.items() if impl.unlaunchable(args) is None}

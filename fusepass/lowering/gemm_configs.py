@@ -23,11 +23,13 @@ class GemmConfig:
     tma: bool = False  # load the operand tiles through host-made TMA descriptors (Hopper's bulk copy engine)
     persistent: bool = False  # one program per SM over the tiles, loading through in-kernel TMA descriptors
     warp_specialized: bool = False  # split_w/x on warp_specialized_gemm.py's Gluon kernel
+    split_in_kernel: bool = False  # warp-specialized: the split operand's tiles split in shared memory, no copy
 
     def describe(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} "
                 f"w{self.num_warps} s{self.num_stages}" + (" tma" if self.tma else "")
-                + (" persistent" if self.persistent else "") + (" warp-specialized" if self.warp_specialized else ""))
+                + (" persistent" if self.persistent else "") + (" warp-specialized" if self.warp_specialized else "")
+                + (" split in kernel" if self.split_in_kernel else ""))
 
     def with_tma(self) -> "GemmConfig":
         return dataclasses.replace(self, tma=True)

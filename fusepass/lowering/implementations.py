@@ -66,7 +66,7 @@ def gemm_unlaunchable(x: Tensor, weight: Tensor, out_dtype: torch.dtype, precisi
     """Why x @ weight^T cannot run in `precision` on config's GEMM kernel (the Triton GEMM, or the
     warp-specialized Gluon one splitting the precision's operand), or None."""
     if config.warp_specialized:
-        return warp_specialized_gemm.unlaunchable(x, weight, out_dtype, prepared(precision).operand)
+        return warp_specialized_gemm.unlaunchable(x, weight, out_dtype, prepared(precision).operand, config)
     return gemm.unlaunchable(x, weight, precision, config)
 
 
@@ -95,15 +95,15 @@ def on_triton_gemm(args: ChainArgs, precision: str, config: gemm_configs.GemmCon
 def on_warp_specialized_gemm(args: ChainArgs, precision: str, config: gemm_configs.GemmConfig) -> ChainOutputs:
     """Training: the GEMM, its statistics' partials from its epilogue, and the output pass. Eval: the GEMM,
     then the passes after it (as on cuBLAS: its epilogue has no eval-mode normalization). The split
-    operand is split whole at its size hint (as the Triton GEMM's forward splits it); a larger batch than
-    the hint runs in more blocks."""
+    operand is split in the kernel, or in memory whole at its size hint (as the Triton GEMM's forward
+    splits it; a larger batch than the hint runs in more blocks)."""
     lin, scale, split = args.linear, args.scale_before, prepared(precision).operand
     training = args.batch_norm.training
     tile = warp_specialized_gemm.TILE
     whole = ceil_div(hint((lin.x if split == "x" else lin.weight).shape[0]), tile) * tile
     y, flat_parts = torch.ops.fusepass.warp_specialized_linear(
-        lin.x, lin.weight, lin.bias, scale.tensor, scale.value, training, split, whole, config.block_k,
-        config.num_stages)
+        lin.x, lin.weight, lin.bias, scale.tensor, scale.value, training, split,
+        0 if config.split_in_kernel else whole, config.block_k, config.num_stages)
     if not training:
         out, stats = normalize_linear_output(y, args, out=_output_buffer(y, args))
         return _outputs(args, out, stats, y)

@@ -152,8 +152,11 @@ def _block_rows(linear: Linear, precision: str, config: gemm_configs.GemmConfig,
 
 
 def _warp_specialized_block_rows(linear: Linear, split: str, config: gemm_configs.GemmConfig) -> int:
-    """Rows of the split operand per launch of the warp-specialized GEMM: run_in_blocks's for W, and for x
-    the same rule with the roles swapped (the kernel computes y^T = W @ x^T)."""
+    """Rows of the split operand per launch of the warp-specialized GEMM: 0 where it splits in the kernel
+    (one launch); else run_in_blocks's for W, and for x the same rule with the roles swapped (the kernel
+    computes y^T = W @ x^T)."""
+    if config.split_in_kernel:
+        return 0
     swapped = linear if split == "weight" else Linear(linear.weight, linear.x, None)
     return _block_rows(swapped, "split_w", config)
 
@@ -165,7 +168,7 @@ def _copy_past_limit(call: LinearCall, precision: str, config: gemm_configs.Gemm
     on cuBLAS."""
     x, weight = call.x, call.weight
     how = prepared(precision)
-    if how is None:
+    if how is None or config.split_in_kernel:
         return None
     if config.warp_specialized:
         split_rows = min((x if how.operand == "x" else weight).shape[0],
@@ -271,8 +274,9 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
     3xTF32 split in registers made 39 (tools/tune_linear.py at 1024 x 8192 -> 8192 and 16384 x 4096 ->
     4096). The full search also times the precision itself, and the GEMM on K-major copies of the
     operands. With operand copies forbidden (kernel_operand_copies=False), neither: the precision itself
-    (on strided loads), and cuBLAS. Where an operand may be split in memory, also the warp-specialized
-    Gluon kernel (warp_specialized_gemm.py) splitting either one, on an sm_90 GPU."""
+    (on strided loads), and cuBLAS. In 3xTF32, also the warp-specialized Gluon kernel
+    (warp_specialized_gemm.py) splitting either operand, on an sm_90 GPU: in memory, and in the kernel,
+    which copies nothing and so is offered with copies forbidden too."""
     x, weight = call.x, call.weight
     m, k, n = _gemm_sizes(call, problem)
     precision = _precision(call)
@@ -288,8 +292,9 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
             precisions = [precision, variant] if k_major else [variant] + ([precision] if search == "full" else [])
         found += [LinearImplementation(p, config) for p, config in
                   triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
-        if variant in PRE_SPLIT and copies:
-            found += [LinearImplementation(split, config) for split, config in warp_specialized_gemm.CANDIDATES]
+        if variant in PRE_SPLIT:
+            found += [LinearImplementation(split, config) for split, config in warp_specialized_gemm.CANDIDATES
+                      if copies or config.split_in_kernel]
         if not k_major and search == "full" and copies:
             found.append(LinearImplementation(precision, gemm_configs.candidates(precision, x.dtype)[0], True))
         found = [impl for impl in found if impl.unlaunchable(call) is None]

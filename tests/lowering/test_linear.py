@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusepass.lowering import gemm, gemm_configs, gemm_precisions, linear
+from fusepass.lowering import gemm, gemm_configs, gemm_precisions, linear, warp_specialized_gemm
 from fusepass.lowering.schema import KernelOptions
 from fusepass.numerics import rel_error
 from tests.chains import assert_no_further_from_float64, requires_cuda
@@ -120,11 +120,17 @@ def test_a_split_copy_past_the_limit_leaves_the_call_to_cublas(layout, precision
     assert impl.unlaunchable(call) is None
     monkeypatch.setattr(linear, "SPLIT_COPY_LIMIT", copy_bytes - 1)
     assert "copies would take" in impl.unlaunchable(call)
-    offered = lambda: {c.precision for c in linear.candidates(call, linear.problem(call, False), False).values()}  # noqa: E731
+    def offered():  # but the warp-specialized GEMM splitting in the kernel, which copies nothing
+        found = linear.candidates(call, linear.problem(call, False), False).values()
+        return {c.precision for c in found if not (c.config and c.config.split_in_kernel)}
+
     monkeypatch.setattr(linear, "SPLIT_COPY_LIMIT", 1 << 40)
     assert offered() & set(gemm_precisions.PRE_SPLIT)
     monkeypatch.setattr(linear, "SPLIT_COPY_LIMIT", 0)
     assert offered() == {"tf32x3"}  # cuBLAS at the call's precision (and 3xTF32 split in registers)
+    in_memory, in_kernel = warp_specialized_gemm.CONFIGS[0], warp_specialized_gemm.CONFIGS[2]
+    assert "copies would take" in linear._copy_past_limit(call, precision, in_memory)
+    assert linear._copy_past_limit(call, precision, in_kernel) is None
 
 
 @pytest.mark.parametrize("batch, features, within", [(16384, 4096, True), (1024, 8192, True), (4096, 4096, True),
@@ -164,10 +170,12 @@ def test_candidates(traced, search, monkeypatch):
     assert list(_candidates(a, b, traced, fp32_matmul="ieee")) == ["cublas"]
     assert list(_candidates(a, b, traced, gemm_option="cublas")) == ["cublas"]
     assert "cublas" not in _candidates(a, b, traced, gemm_option="triton")
-    # no operand copies: 3xTF32 split in registers and cuBLAS only, for transposed operands and the forward's
+    # no operand copies: 3xTF32 split in registers, the warp-specialized GEMM splitting in the kernel (it
+    # copies nothing; on sm_90) and cuBLAS only, for transposed operands and the forward's
     for operands in ((a, b), _operands("forward", 64, 64, 64, seed=0)):
         no_copies = list(_candidates(*operands, traced, operand_copies=False))
-        assert no_copies and all(n == "cublas" or n.startswith("triton tf32x3 ") for n in no_copies)
+        assert no_copies and all(n == "cublas" or n.startswith("triton tf32x3 ") or n.endswith("split in kernel")
+                                 for n in no_copies)
         assert not any(n.endswith("on K-major copies") for n in no_copies)
 
 

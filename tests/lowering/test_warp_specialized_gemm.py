@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fusepass.lowering import choice, gemm_configs, linear, warp_specialized_gemm
+from fusepass.lowering import warp_specialized_kernels as kernels
 from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.launch import ceil_div
 from fusepass.lowering.schema import KernelOptions
@@ -29,48 +30,61 @@ ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == 
 requires_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 
 
-def _compile_for_hopper(a_k_major: bool, statistics: bool, transposed: bool) -> str:
-    """The kernel's PTX for sm_90 (compiled to a cubin) with `a` K-major or MN-major, with or without the
-    statistics epilogue (over y's tile or y^T's), as the compile-only script below prints it."""
+def _compile_for_hopper(a_k_major: bool, b_mode: str, statistics: bool, transposed: bool) -> str:
+    """The kernel's PTX for sm_90 (compiled to a cubin) with `a` K-major or MN-major and b split in memory
+    ("memory") or in the kernel from a K-major or MN-major tile ("K", "MN"), with or without the statistics
+    epilogue (over y's tile or y^T's), as the compile-only script below prints it."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    def descriptor(block):
+    def descriptor(k_major):
+        block = [128, 32] if k_major else [32, 128]
         return f"tensordesc<fp32[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gl.float32)!r}>"
 
-    a_block = [128, 32] if a_k_major else [32, 128]
-    signature = {"a_desc": descriptor(a_block), "hi_desc": descriptor([128, 32]), "lo_desc": descriptor([128, 32]),
+    mode = {"memory": kernels.B_SPLIT_IN_MEMORY, "K": kernels.B_K_MAJOR, "MN": kernels.B_MN_MAJOR}[b_mode].value
+    signature = {"a_desc": descriptor(a_k_major), "b_desc": descriptor(b_mode != "MN"), "lo_desc": descriptor(True),
                  **{name: "*fp32" for name in ("out_ptr", "bias_ptr", "scale_ptr", "parts_ptr")},
                  **{name: "i32" for name in ("M", "N", "K", "stride_om", "stride_on", "part_stride", "m2_offset")},
                  "scale_value": "fp32",
-                 **{name: "constexpr" for name in ("BLOCK_M", "A_K_MAJOR", "STATISTICS", "TRANSPOSED", "HAS_BIAS",
-                                                   "SCALE_MODE", "STAGES", "GROUP", "CONSUMER_REGS", "LOADER_REGS")}}
-    constexprs = dict(BLOCK_M=128, A_K_MAJOR=a_k_major, STATISTICS=statistics, TRANSPOSED=transposed,
-                      HAS_BIAS=statistics, SCALE_MODE=2, STAGES=4, GROUP=8, CONSUMER_REGS=232, LOADER_REGS=40)
-    compiled = triton_compile(GluonASTSource(warp_specialized_gemm._gemm_kernel, signature, constexprs),
+                 **{name: "constexpr" for name in ("BLOCK_M", "A_K_MAJOR", "B_MODE", "HALF_LAYOUT", "STATISTICS",
+                                                   "TRANSPOSED", "HAS_BIAS", "SCALE_MODE", "STAGES", "GROUP",
+                                                   "CONSUMER_REGS", "LOADER_REGS")}}
+    constexprs = dict(BLOCK_M=128, A_K_MAJOR=a_k_major, B_MODE=mode,
+                      HALF_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, 32], gl.float32),
+                      STATISTICS=statistics, TRANSPOSED=transposed, HAS_BIAS=statistics, SCALE_MODE=2,
+                      STAGES=warp_specialized_gemm.stages_that_fit(32, 4, mode), GROUP=8, CONSUMER_REGS=232,
+                      LOADER_REGS=40)
+    compiled = triton_compile(GluonASTSource(kernels.gemm_kernel, signature, constexprs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert compiled.asm["cubin"]
     return compiled.asm["ptx"]
 
 
-@pytest.mark.skipif(warp_specialized_gemm.gluon is None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("a_major, epilogue", [("K", "store"), ("MN", "store"), ("K", "statistics"),
-                                               ("MN", "statistics_transposed")])
-def test_the_kernel_compiles_for_hopper_with_two_consumer_warpgroups(a_major, epilogue):
+@pytest.mark.skipif(kernels.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("a_major, b_mode, epilogue", [("K", "memory", "store"), ("MN", "memory", "store"),
+                                                       ("K", "memory", "statistics"), ("K", "K", "store"),
+                                                       ("MN", "MN", "store"), ("MN", "K", "statistics_transposed")])
+def test_the_kernel_compiles_for_hopper_with_two_consumer_warpgroups(a_major, b_mode, epilogue):
     """In a process of its own, without TRITON_INTERPRET (test_compiles.py). Per consumer and K block of 32:
     three products of four k=8 wgmmas each, waited for (level 0) by that consumer alone; setmaxnreg gives
-    the consumers their registers and takes them from the loader. A K-major `a` tile is read from shared
-    memory with ldmatrix; an MN-major one (read transposed) without."""
+    the consumers their registers and takes them from the loader. Splitting b in the kernel, each consumer
+    fences its half of the split for the async proxy, the first block's before its loop and the next
+    block's between its wgmmas' commit and their wait (split while they run); b split in memory, nothing
+    is fenced, and a K-major `a` tile is read from shared memory with ldmatrix, an MN-major one (read
+    transposed) without."""
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, __file__, a_major, epilogue], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=root)
+    done = subprocess.run([sys.executable, __file__, a_major, b_mode, epilogue], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=root)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    wgmmas, waits, raised, ldmatrix = (int(v) for v in done.stdout.split()[-4:])
+    wgmmas, waits, raised, fences, split_under_wgmmas, ldmatrix = (int(v) for v in done.stdout.split()[-6:])
     assert wgmmas == 2 * 3 * 4 and waits == 2 and raised >= 2, done.stdout
-    assert (ldmatrix > 0) == (a_major == "K"), done.stdout
+    in_kernel = b_mode != "memory"
+    assert fences == 2 * 2 * in_kernel and split_under_wgmmas == in_kernel, done.stdout
+    if not in_kernel:  # (the split's reads of b may use ldmatrix too)
+        assert (ldmatrix > 0) == (a_major == "K"), done.stdout
 
 
 def test_offered_only_where_it_runs():
@@ -84,10 +98,17 @@ def test_offered_only_where_it_runs():
         mn_major = cuda[0].t().contiguous().t()
         assert warp_specialized_gemm.unlaunchable(mn_major, cuda[1], torch.float32) is None
         neither = torch.randn(8, 32, device="cuda")[:, ::2]
-        assert "TMA" in warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32)
-        assert warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, split="x") is None
-        assert "TMA" in warp_specialized_gemm.unlaunchable(cuda[0], neither, torch.float32, split="x")
-    call = linear.LinearCall(x, w, None, "tf32x3", "auto")
+        in_memory, in_kernel = warp_specialized_gemm.CONFIGS[0], warp_specialized_gemm.CONFIGS[2]
+        assert "TMA" in warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "weight", in_memory)
+        # split in memory, b may lie as it will; split in the kernel, TMA reads it too
+        assert warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "x", in_memory) is None
+        assert "TMA" in warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "x", in_kernel)
+        mn_major_w = cuda[1].t().contiguous().t()
+        assert warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "weight", in_kernel) is None
+        wide_k = dataclasses.replace(in_kernel, block_k=64, num_stages=2)
+        assert "one stage" in warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "weight", wide_k)
+        assert warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "x", wide_k) is None
+    call = linear.LinearCall(*((x.cuda(), w.cuda()) if ON_HOPPER else (x, w)), None, "tf32x3", "auto")
     problem = linear.problem(call, traced=False)
     names = list(linear.candidates(call, problem, traced=False))
     assert any("warp-specialized" in n for n in names) == ON_HOPPER, names
@@ -101,7 +122,8 @@ def test_a_small_chain_is_offered_it_on_hopper_under_cuda_graphs_only(training, 
     args = make_args(300, 64, 200, training=training, device="cuda" if ON_HOPPER else "cpu",
                      kernel=KernelOptions(cuda_graphs=cuda_graphs))
     names = list(choice.candidates(args, choice.problem(args, traced=False), traced=False))
-    assert sum("warp-specialized" in n for n in names) == (4 if ON_HOPPER and cuda_graphs else 0), names
+    offered = len(warp_specialized_gemm.CANDIDATES) if ON_HOPPER and cuda_graphs else 0
+    assert sum("warp-specialized" in n for n in names) == offered, names
 
 
 @pytest.mark.parametrize("rows, offered", [(4096, False), (8192, True), (16384, True)])
@@ -139,7 +161,7 @@ def test_the_ops_fake_is_an_fp32_product_with_its_partials(split, part_rows):
     with FakeTensorMode():
         x, w = torch.empty(300, 8), torch.empty(7, 8)
         y, parts = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, split, 128, 32, 4)
-        _, none = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, False, split, 128, 32, 4)
+        _, none = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, False, split, 0, 32, 4)
     assert y.shape == (300, 7) and y.dtype == torch.float32
     assert parts.shape == (2 * -(-300 // part_rows) * 7,) and none.shape == (0,)
 
@@ -149,7 +171,7 @@ def test_the_ops_fake_counts_the_parts_of_a_symbolic_batch(split, part_rows):
     """Traced with a symbolic batch, as a compiled graph with a dynamic batch calls it: the parts' count
     is a ceiling division of the batch (launch.ceil_div, triton.cdiv's formula), at any batch."""
     def op(x, w):
-        return torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, split, 1024, 32, 4)
+        return torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, split, 0, 32, 4)
     graph = make_fx(op, tracing_mode="symbolic")(torch.empty(1000, 8), torch.empty(7, 8)).graph
     x, w = (n.meta["val"] for n in graph.nodes if n.op == "placeholder")
     [parts] = [n.meta["val"] for n in graph.nodes if n.op == "call_function" and n.args[1:] == (1,)]
@@ -161,12 +183,20 @@ def test_the_ops_fake_counts_the_parts_of_a_symbolic_batch(split, part_rows):
         assert ceil_div(rows, part_rows) == triton.cdiv(rows, part_rows)
 
 
-@pytest.mark.parametrize("split, block_rows", [("both", 128), ("x", 200)])
+@pytest.mark.parametrize("split, block_rows", [("both", 128), ("x", 200), ("weight", -1)])
 def test_the_op_refuses_a_split_it_cannot_make(split, block_rows):
-    """An unknown operand, or statistics of split x in blocks that cut a part of 128 rows."""
+    """An unknown operand, statistics of split x in blocks that cut a part of 128 rows, negative blocks."""
     x, w = torch.randn(300, 8), torch.randn(7, 8)
     with pytest.raises(ValueError, match="blocks of"):
         torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, split, block_rows, 32, 4)
+
+
+@pytest.mark.parametrize("block_k, stages, mode, fit", [(32, 4, "memory", 4), (32, 4, "K", 4), (32, 4, "MN", 3),
+                                                        (64, 2, "K", 2), (64, 2, "MN", 1)])
+def test_an_mn_major_tile_split_in_the_kernel_takes_a_stage_of_shared_memory(block_k, stages, mode, fit):
+    """b's MN-major tile needs a buffer beside its K-major halves; 64-wide K blocks are then refused."""
+    b_mode = {"memory": kernels.B_SPLIT_IN_MEMORY, "K": kernels.B_K_MAJOR, "MN": kernels.B_MN_MAJOR}[mode].value
+    assert warp_specialized_gemm.stages_that_fit(block_k, stages, b_mode) == fit
 
 
 def _split_w_triton(x, w):
@@ -182,8 +212,8 @@ def _split_w_triton(x, w):
 @pytest.mark.parametrize("layout", ["forward", "grad_x", "grad_w"])
 def test_as_exact_as_the_triton_split_gemm_at_partial_tiles(config, split, layout):
     """1000 x 1004 -> 1300 (K ends in a partial block, the last row and column tiles are partial), the split
-    operand in blocks of 384 rows (three or four blocks, the last partial); grad_x reads W through a
-    transposed view, grad_w x as well (both MN-major)."""
+    operand in memory in blocks of 384 rows (three or four blocks, the last partial) or in the kernel;
+    grad_x reads W through a transposed view, grad_w x as well (both MN-major)."""
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(1000, 1004, device="cuda", generator=g)
     w = torch.randn(1300, 1004, device="cuda", generator=g) / 1004 ** 0.5
@@ -191,7 +221,9 @@ def test_as_exact_as_the_triton_split_gemm_at_partial_tiles(config, split, layou
         w = w.t().contiguous().t()
     if layout == "grad_w":
         x = x.t().contiguous().t()
-    y, _ = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, False, split, 384, config.block_k,
+    assert warp_specialized_gemm.unlaunchable(x, w, torch.float32, split, config) is None
+    y, _ = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, False, split,
+                                                      0 if config.split_in_kernel else 384, config.block_k,
                                                       config.num_stages)
     exact = F.linear(x.double(), w.double())
     ours, triton_split = rel_error(y, exact), rel_error(_split_w_triton(x, w), exact)
@@ -201,16 +233,18 @@ def test_as_exact_as_the_triton_split_gemm_at_partial_tiles(config, split, layou
 @requires_cuda
 @requires_hopper
 @pytest.mark.cuda
+@pytest.mark.parametrize("config", [warp_specialized_gemm.CONFIGS[0], warp_specialized_gemm.CONFIGS[2]],
+                         ids=lambda c: c.describe())
 @pytest.mark.parametrize("precision", ["split_w", "split_x"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_through_the_linear_op_and_a_compiled_graph(precision, with_bias):
-    """The linear op's implementation (its blocks from _block_rows), and the custom op inside an Inductor
-    graph: same results, bit for bit, as the op run eagerly; with a bias, added in the epilogue."""
+def test_through_the_linear_op_and_a_compiled_graph(config, precision, with_bias):
+    """The linear op's implementation, and the custom op inside an Inductor graph: same results, bit for bit, as the
+    op run eagerly; with a bias, added in the epilogue."""
     g = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(777, 512, device="cuda", generator=g)
     w = torch.randn(640, 512, device="cuda", generator=g)
     b = torch.randn(640, device="cuda", generator=g) if with_bias else None
-    impl = linear.LinearImplementation(precision, warp_specialized_gemm.CONFIGS[0])
+    impl = linear.LinearImplementation(precision, config)
     call = linear.LinearCall(x, w, b, "tf32x3", "auto")
     assert impl.unlaunchable(call) is None
     eager = impl(call)
@@ -222,11 +256,13 @@ def test_through_the_linear_op_and_a_compiled_graph(precision, with_bias):
 @requires_cuda
 @requires_hopper
 @pytest.mark.cuda
+@pytest.mark.parametrize("config", [warp_specialized_gemm.CONFIGS[0], warp_specialized_gemm.CONFIGS[2]],
+                         ids=lambda c: c.describe())
 @pytest.mark.parametrize("precision", ["split_w", "split_x"])
 @pytest.mark.parametrize("scale", ["per_feature", "single", "number"])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("head", ["linear", "matmul"])
-def test_a_chain_on_it_is_no_further_from_float64_than_eager(precision, scale, training, head):
+def test_a_chain_on_it_is_no_further_from_float64_than_eager(config, precision, scale, training, head):
     """The chain's forward with, in training, the statistics from the kernel's epilogue (partial row and
     feature tiles: 1000 rows, 300 features; a consumer's last 64 rows hold 40 of the batch, the last 128
     columns of y^T 104), and the passes after it: output, batch statistics and running statistics; in
@@ -235,7 +271,7 @@ def test_a_chain_on_it_is_no_further_from_float64_than_eager(precision, scale, t
     if head == "matmul":
         in_out = args.linear.weight.t().contiguous().t()
         args = dataclasses.replace(args, linear=dataclasses.replace(args.linear, weight=in_out))
-    impl = Implementation(precision, warp_specialized_gemm.CONFIGS[0])
+    impl = Implementation(precision, config)
     assert impl.unlaunchable(args) is None
     assert_like_eager(impl(args), args)
 
@@ -246,11 +282,13 @@ def test_a_chain_on_it_is_no_further_from_float64_than_eager(precision, scale, t
 @pytest.mark.parametrize("split", warp_specialized_gemm.SPLIT_OPERANDS)
 def test_its_partials_are_each_parts_mean_and_m2(split):
     """1000 rows (the last part partial), 600 features, a bias and a per-feature scale; the split operand
-    whole and in blocks of 256 rows (of x: whole parts; of W: bias, scale and partials from each block's
-    first feature). y is the same bit for bit either way, and every part's mean and M2 of z = y * scale is
-    float64's within 1e-6. Repeated, the partials are the same bit for bit (no race between the consumers'
-    epilogues); whole against blocked they are not compared bit for bit (on an H100 split x's differed in
-    their last bits while y did not; the batch size of a block is among what its launch is specialized on)."""
+    split in memory, whole and in blocks of 256 rows (of x: whole parts; of W: bias, scale and partials
+    from each block's first feature), and split in the kernel, K-major (in place) and MN-major (beside
+    it). y is the same bit for bit every way (the same halves, the same products in the same order), and
+    every part's mean and M2 of z = y * scale is float64's within 1e-6. The partials are the same bit for
+    bit split whole in memory and in the kernel, and repeated (no race between the consumers' splits or
+    epilogues); in blocks they are not compared bit for bit (on an H100 split x's differed in their last
+    bits while y did not; the batch size of a block is among what its launch is specialized on)."""
     g = torch.Generator(device="cuda").manual_seed(11)
     x = torch.randn(1000, 136, device="cuda", generator=g)
     w = torch.randn(600, 136, device="cuda", generator=g)
@@ -258,13 +296,18 @@ def test_its_partials_are_each_parts_mean_and_m2(split):
     z = F.linear(x.double(), w.double(), bias.double()) * scale.double()
     rows = warp_specialized_gemm.rows_per_part(split)
     n_parts = -(-1000 // rows)
-    results = [torch.ops.fusepass.warp_specialized_linear(x, w, bias, scale, 1.0, True, split, block_rows, 32, 4)
-               for block_rows in (1024, 256)]
-    assert torch.equal(results[0][0], results[1][0])
-    again = torch.ops.fusepass.warp_specialized_linear(x, w, bias, scale, 1.0, True, split, 1024, 32, 4)
-    assert torch.equal(again[1], results[0][1])
-    for _, parts in results:
-        means, m2s = parts.view(2, n_parts, 600).unbind(0)
+
+    def run(x, w, block_rows):
+        return torch.ops.fusepass.warp_specialized_linear(x, w, bias, scale, 1.0, True, split, block_rows, 32, 4)
+
+    y, parts = run(x, w, 1024)
+    mn_major_b = (x, w.t().contiguous().t()) if split == "weight" else (x.t().contiguous().t(), w)
+    blocked = run(x, w, 256)
+    assert torch.equal(blocked[0], y)
+    for other in (run(x, w, 1024), run(x, w, 0), run(*mn_major_b, 0)):
+        assert torch.equal(other[0], y) and torch.equal(other[1], parts)
+    for every in (parts, blocked[1]):
+        means, m2s = every.view(2, n_parts, 600).unbind(0)
         for p in range(n_parts):
             zp = z[p * rows:(p + 1) * rows]
             assert rel_error(means[p], zp.mean(0)) < 1e-6, p
@@ -272,7 +315,12 @@ def test_its_partials_are_each_parts_mean_and_m2(split):
 
 
 if __name__ == "__main__":
-    a_major, epilogue = sys.argv[1:3]
-    ptx = _compile_for_hopper(a_major == "K", epilogue.startswith("statistics"), epilogue.endswith("transposed"))
+    a_major, b_mode, epilogue = sys.argv[1:4]
+    ptx = _compile_for_hopper(a_major == "K", b_mode, epilogue.startswith("statistics"),
+                              epilogue.endswith("transposed"))
+    events = re.findall(r"wgmma\.commit_group|wgmma\.wait_group|fence\.proxy\.async", ptx)
+    split_under_wgmmas = any(e == "wgmma.commit_group" and "fence.proxy.async" in events[i + 1:i + 2]
+                             for i, e in enumerate(events))
     print(ptx.count("wgmma.mma_async"), len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0", ptx)),
-          len(re.findall(r"setmaxnreg\.inc", ptx)), ptx.count("ldmatrix"))
+          len(re.findall(r"setmaxnreg\.inc", ptx)), ptx.count("fence.proxy.async"), int(split_under_wgmmas),
+          ptx.count("ldmatrix"))
