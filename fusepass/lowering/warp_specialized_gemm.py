@@ -64,15 +64,17 @@ CANDIDATES = [(precision, config) for precision in PRE_SPLIT for config in CONFI
 def unlaunchable(x: Tensor, weight: Tensor, out_dtype: torch.dtype, split: str = "weight",
                  config: GemmConfig = CONFIGS[0]) -> Optional[str]:
     """Why x @ weight^T (+ bias) with `split` (b) split as `config` splits it cannot run on this kernel, or
-    None: it needs Gluon, an sm_90 GPU (wgmma), fp32 operands and output, operands K-major or MN-major as
-    TMA reads them (b split in memory: a only; the split makes b's halves row-major), and shared memory
-    for two stages (stages_that_fit)."""
+    None: it needs Gluon, an sm_90 GPU (wgmma), fp32 operands and output, a K of at least one, operands K-major
+    or MN-major as TMA reads them (b split in memory: a only; the split makes b's halves row-major), and shared
+    memory for two stages (stages_that_fit)."""
     if gluon is None:
         return "this Triton has no Gluon"
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
         return "the warp-specialized GEMM is Hopper's (sm_90 wgmma)"
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or out_dtype != torch.float32:
         return "the warp-specialized GEMM is fp32's (3xTF32)"
+    if x.shape[1] == 0:  # (its consumers would wait for a first K block that never comes)
+        return "a product over no columns"
     a, b = (x, weight) if split == "weight" else (weight, x)
     for operand in (a, b) if config.split_in_kernel else (a,):
         k_major = limits.tma_layout(operand)

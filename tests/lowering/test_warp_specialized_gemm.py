@@ -108,6 +108,8 @@ def test_offered_only_where_it_runs():
         wide_k = dataclasses.replace(in_kernel, block_k=64, num_stages=2)
         assert "one stage" in warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "weight", wide_k)
         assert warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "x", wide_k) is None
+        no_k = torch.empty(8, 0, device="cuda"), torch.empty(4, 0, device="cuda")
+        assert "no columns" in warp_specialized_gemm.unlaunchable(*no_k, torch.float32, "weight", in_kernel)
     call = linear.LinearCall(*((x.cuda(), w.cuda()) if ON_HOPPER else (x, w)), None, "tf32x3", "auto")
     problem = linear.problem(call, traced=False)
     names = list(linear.candidates(call, problem, traced=False))
