@@ -122,9 +122,8 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
             impl = Implementation(p, config)
             found[impl.name] = impl
         if variant in PRE_SPLIT and warp_specialized_offered(args, rows):
-            for p, config in warp_specialized_gemm.CANDIDATES:
-                if args.kernel.operand_copies or config.split_in_kernel:
-                    found[Implementation(p, config).name] = Implementation(p, config)
+            for impl in (Implementation(p, c) for p, c in warp_specialized_gemm.candidates(args.kernel.operand_copies)):
+                found[impl.name] = impl
     if (choice in ("auto", "cublas") or not found) and (not traced or cublas_traceable(precision)):
         found["cublas"] = Implementation(precision)
     return {name: impl for name, impl in found.items() if impl.unlaunchable(args) is None}

@@ -293,8 +293,7 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
         found += [LinearImplementation(p, config) for p, config in
                   triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
         if variant in PRE_SPLIT:
-            found += [LinearImplementation(split, config) for split, config in warp_specialized_gemm.CANDIDATES
-                      if copies or config.split_in_kernel]
+            found += [LinearImplementation(split, config) for split, config in warp_specialized_gemm.candidates(copies)]
         if not k_major and search == "full" and copies:
             found.append(LinearImplementation(precision, gemm_configs.candidates(precision, x.dtype)[0], True))
         found = [impl for impl in found if impl.unlaunchable(call) is None]

@@ -61,6 +61,11 @@ SPLIT_OPERANDS = ("weight", "x")  # which operand of x @ W^T is b, the one split
 CANDIDATES = [(precision, config) for precision in PRE_SPLIT for config in CONFIGS]
 
 
+def candidates(operand_copies: bool) -> list[tuple[str, GemmConfig]]:
+    """CANDIDATES, with operand copies forbidden only those that split in the kernel (they copy nothing)."""
+    return [(precision, config) for precision, config in CANDIDATES if operand_copies or config.split_in_kernel]
+
+
 def unlaunchable(x: Tensor, weight: Tensor, out_dtype: torch.dtype, split: str = "weight",
                  config: GemmConfig = CONFIGS[0]) -> Optional[str]:
     """Why x @ weight^T (+ bias) with `split` (b) split as `config` splits it cannot run on this kernel, or

@@ -116,6 +116,13 @@ def test_offered_only_where_it_runs():
     assert any("warp-specialized" in n for n in names) == ON_HOPPER, names
 
 
+def test_with_operand_copies_forbidden_only_the_split_in_the_kernel_is_offered():
+    assert warp_specialized_gemm.candidates(True) == warp_specialized_gemm.CANDIDATES
+    forbidden = warp_specialized_gemm.candidates(False)
+    assert forbidden and all(config.split_in_kernel for _, config in forbidden)
+    assert {precision for precision, _ in forbidden} == {"split_w", "split_x"}
+
+
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_a_small_chain_is_offered_it_on_hopper_under_cuda_graphs_only(training, cuda_graphs):
