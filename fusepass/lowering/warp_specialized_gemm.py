@@ -91,8 +91,11 @@ def unlaunchable(x: Tensor, weight: Tensor, out_dtype: torch.dtype, split: str =
 
 
 def b_mode(b: Tensor, config: GemmConfig) -> int:
-    if not config.split_in_kernel:
-        return B_SPLIT_IN_MEMORY.value
+    """How the kernel reads b (B_MODE) under `config`."""
+    return _raw_mode(b) if config.split_in_kernel else B_SPLIT_IN_MEMORY.value
+
+
+def _raw_mode(b: Tensor) -> int:
     return (B_K_MAJOR if limits.k_major(b) else B_MN_MAJOR).value
 
 
@@ -104,8 +107,15 @@ def stages_that_fit(block_k: int, stages: int, mode: int) -> int:
     return min(stages, SHARED_MEMORY_BYTES // per_stage)
 
 
-def _descriptor(t: Tensor, rows: int, cols: int, block: tuple[int, int]) -> "TensorDescriptor":
-    return TensorDescriptor(t, [rows, cols], [t.stride(0), 1], list(block), _shared_layout(block))
+def _descriptor(t: Tensor, k: int, block_k: int) -> "TensorDescriptor":
+    """TMA's view of t's first k columns (rows, k) in TILE x block_k tiles where t is K-major, else of its
+    transpose (k, rows) in block_k x TILE tiles (limits.k_major, as limits.tma_layout reads it)."""
+    rows = t.shape[0]
+    if limits.k_major(t):
+        shape, block = [rows, k], (TILE, block_k)
+    else:
+        t, shape, block = t.t(), [k, rows], (block_k, TILE)
+    return TensorDescriptor(t, shape, [t.stride(0), 1], list(block), _shared_layout(block))
 
 
 @functools.cache
@@ -137,16 +147,9 @@ def gemm_into(out: Tensor, a: Tensor, b: Tensor, block_k: int, stages: int, tran
     kernel; K-major or else MN-major), or with `b_lo` b's hi (split_tf32's buffers: their first K columns);
     `transposed`: out is y^T (its rows are y's features)."""
     (m, k), n = a.shape, b.shape[0]
-    a_k_major = limits.k_major(a)  # as limits.tma_layout reads it (unlaunchable)
-    a_desc = _descriptor(a, m, k, (TILE, block_k)) if a_k_major else _descriptor(a.t(), k, m, (block_k, TILE))
-    if b_lo is not None:
-        mode = B_SPLIT_IN_MEMORY.value
-        b_desc, lo_desc = (_descriptor(t, n, k, (TILE, block_k)) for t in (b, b_lo))
-    else:
-        mode = (B_K_MAJOR if limits.k_major(b) else B_MN_MAJOR).value
-        b_desc = _descriptor(b, n, k, (TILE, block_k)) if mode == B_K_MAJOR.value else _descriptor(
-            b.t(), k, n, (block_k, TILE))
-        lo_desc = b_desc  # not read
+    a_desc, b_desc = _descriptor(a, k, block_k), _descriptor(b, k, block_k)
+    mode = _raw_mode(b) if b_lo is None else B_SPLIT_IN_MEMORY.value
+    lo_desc = b_desc if b_lo is None else _descriptor(b_lo, k, block_k)  # (not read where b is raw)
     grid = (ceil_div(m, TILE) * ceil_div(n, TILE),)
     e = epilogue
     gemm_kernel[grid](
@@ -154,7 +157,7 @@ def gemm_into(out: Tensor, a: Tensor, b: Tensor, block_k: int, stages: int, tran
         out, *(t if t is not None else out for t in (e.bias, e.scale, e.parts)),
         m, n, k, out.stride(0), out.stride(1), e.part_stride, e.m2_offset,
         e.scale_value,
-        BLOCK_M=TILE, A_K_MAJOR=a_k_major, B_MODE=mode, HALF_LAYOUT=_shared_layout((TILE, block_k)),
+        BLOCK_M=TILE, A_K_MAJOR=limits.k_major(a), B_MODE=mode, HALF_LAYOUT=_shared_layout((TILE, block_k)),
         STATISTICS=e.parts is not None, TRANSPOSED=transposed, HAS_BIAS=e.bias is not None,
         SCALE_MODE=scale_mode(e.scale) if e.parts is not None else SCALE_NUMBER.value,
         STAGES=stages_that_fit(block_k, stages, mode), GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGISTERS,
