@@ -10,8 +10,9 @@ Every rank prints what fusepass fused; rank 0 prints the median step time of eac
 CUDA events over a fixed number of steps (all ranks must run the same steps: their collectives pair up,
 so do_bench's own choice of repetitions cannot be used). --profile: after timing, rank 0 also prints the
 named providers' (every provider's if none is named) host time per step (the steps queued without
-synchronizing), the CUDA kernels of --steps steps (torch.profiler) and the Python functions taking the
-host's time (cProfile); every rank runs the profiled steps, so that the collectives pair up. On a
+synchronizing), every rank's host, wall and CUDA kernel times (NCCL's apart: a rank that waits for
+another shows it there), the CUDA kernels of --steps steps (torch.profiler) and the Python functions
+taking the host's time (cProfile); every rank runs the profiled steps, so that the collectives pair up. On a
 machine without GPUs it runs on CPU with gloo, shrunk (--shrink), plain batch norm only: DDP refuses
 SyncBatchNorm on CPU.
 """
@@ -35,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from tabulate import tabulate
 from torch._dynamo.utils import counters
+from torch.autograd import DeviceType
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
@@ -149,7 +151,8 @@ def timed(step, warmup: int, steps: int, device: torch.device) -> list[float]:
 
 def profile_steps(step, steps: int, device: torch.device) -> str:
     """Host milliseconds per step (queued without synchronizing: the CPU's own work, and any wait the
-    step forces on it), the CUDA kernels of `steps` steps, and a cProfile of `steps` more."""
+    step forces on it), every rank's host, wall and kernel times (a rank that waits on another shows it as
+    NCCL kernel time), the CUDA kernels of `steps` steps, and a cProfile of `steps` more."""
     cuda = device.type == "cuda"
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)
     synchronize()
@@ -173,8 +176,21 @@ def profile_steps(step, steps: int, device: torch.device) -> str:
     python.disable()
     host = io.StringIO()
     pstats.Stats(python, stream=host).sort_stats("tottime").print_stats(25)
-    return (f"host {(queued - begin) / steps * 1e3:.3f} ms/step, wall {(done - begin) / steps * 1e3:.3f} ms/step "
-            f"over {steps} steps\n{table}\n{host.getvalue()}")
+    timing = f"host {(queued - begin) / steps * 1e3:.3f} ms/step, wall {(done - begin) / steps * 1e3:.3f} ms/step"
+    kernels, nccl = kernel_ms(prof, steps)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, f"rank {dist.get_rank()}: {timing}, CUDA kernels {kernels:.3f} ms/step "
+                                  f"(summed over streams), NCCL's {nccl:.3f}")
+    return f"{timing} over {steps} steps\n" + "\n".join(ranks) + f"\n{table}\n{host.getvalue()}"
+
+
+def kernel_ms(prof: profile, steps: int) -> tuple[float, float]:
+    """Milliseconds per step of every CUDA kernel the profile saw, and of NCCL's, whose kernels run from
+    a rank's launch until every rank has joined."""
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    total = sum(e.time_range.elapsed_us() for e in kernels)
+    nccl = sum(e.time_range.elapsed_us() for e in kernels if e.name.startswith("nccl"))
+    return total / 1e3 / steps, nccl / 1e3 / steps
 
 
 def print_table(results: list[dict], world: int) -> None:
