@@ -7,8 +7,9 @@ memory only, and tf32 there K-major only, so b is split one of two ways (the con
 - in the kernel, nothing copied: TMA loads b's tile as it lies (K-major, or MN-major: the tile of b^T),
   and each consumer warpgroup splits half of it into K-major hi and lo tiles in shared memory, one K block
   ahead of its wgmmas. It costs shared-memory bandwidth (the split's reads and writes beside the wgmmas'):
-  on an H100, every operand layout, 113-127 TFLOP/s at 1024 x 8192 -> 8192 and 102-117 at 16384 x 4096 ->
-  4096, against 121-128 split in memory, the split's pass included (another run on that GPU).
+  on an H100, over the forward's, dX's and dW's layouts, 113-127 TFLOP/s at 1024 x 8192 -> 8192 and
+  102-117 at 16384 x 4096 -> 4096, against 104-128 and 114-128 split in memory, the split's pass
+  included (another run on that GPU); the tuners time both.
 So a weight gradient, g^T @ x, whose operands are both transposed views, and an input gradient, g @ W,
 run without copying the operand that is not split, or, split in the kernel, either.
 
