@@ -28,6 +28,8 @@ from tests.lowering.cases import assert_like_eager, make_args
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 requires_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+# The kernel's modes for b, by the names the tests give them: split in memory, or a K-major or MN-major raw tile
+B_MODES = {"memory": kernels.B_SPLIT_IN_MEMORY, "K": kernels.B_K_MAJOR, "MN": kernels.B_MN_MAJOR}
 
 
 def _compile_for_hopper(a_k_major: bool, b_mode: str, statistics: bool, transposed: bool) -> str:
@@ -43,7 +45,7 @@ def _compile_for_hopper(a_k_major: bool, b_mode: str, statistics: bool, transpos
         block = [128, 32] if k_major else [32, 128]
         return f"tensordesc<fp32[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gl.float32)!r}>"
 
-    mode = {"memory": kernels.B_SPLIT_IN_MEMORY, "K": kernels.B_K_MAJOR, "MN": kernels.B_MN_MAJOR}[b_mode].value
+    mode = B_MODES[b_mode].value
     signature = {"a_desc": descriptor(a_k_major), "b_desc": descriptor(b_mode != "MN"), "lo_desc": descriptor(True),
                  **{name: "*fp32" for name in ("out_ptr", "bias_ptr", "scale_ptr", "parts_ptr")},
                  **{name: "i32" for name in ("M", "N", "K", "stride_om", "stride_on", "part_stride", "m2_offset")},
@@ -204,7 +206,7 @@ def test_the_op_refuses_a_split_it_cannot_make(split, block_rows):
                                                         (64, 2, "K", 2), (64, 2, "MN", 1)])
 def test_an_mn_major_tile_split_in_the_kernel_takes_a_stage_of_shared_memory(block_k, stages, mode, fit):
     """b's MN-major tile needs a buffer beside its K-major halves; 64-wide K blocks are then refused."""
-    b_mode = {"memory": kernels.B_SPLIT_IN_MEMORY, "K": kernels.B_K_MAJOR, "MN": kernels.B_MN_MAJOR}[mode].value
+    b_mode = B_MODES[mode].value
     assert warp_specialized_gemm.stages_that_fit(block_k, stages, b_mode) == fit
 
 
