@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 
 import fusepass.backend
 import fusepass.lowering.op as lowering
+from fusepass.lowering import choice
 from fusepass.backend import FusepassFallbackWarning
 from fusepass.lowering.tuning import source_hash
 from fusepass.numerics import rel_error
@@ -776,6 +777,39 @@ def test_autocast_weight_is_cast_into_one_buffer(training, _):
     forward = code[0]
     assert "_gemm_kernel" in forward
     assert forward.count("empty_strided_cuda((48, 32), (32, 1), torch.bfloat16)") == 1
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY)], ids=["cuda"])
+def test_autocast_weight_cast_in_the_gemm_makes_no_cast_of_it(training, _, monkeypatch):
+    """Where the chain runs on cast_w (put first here; tests tune nothing), the compiled graph under autocast
+    makes no bf16 copy of the fp32 weight (no x gradient: no dX GEMM reads one); its output and weight
+    gradient are eager autocast's."""
+    def cast_w_first(args, problem, traced=False):
+        found = choice.candidates(args, problem, traced)
+        assert any(" cast_w " in name for name in found)
+        return dict(sorted(found.items(), key=lambda item: " cast_w " not in item[0]))
+
+    monkeypatch.setattr(lowering.CHAIN, "declaration",
+                        dataclasses.replace(lowering.CHAIN.declaration, candidates=cast_w_first))
+    monkeypatch.setattr(lowering.CHAIN, "_chosen", {})
+    torch.manual_seed(11)
+    model = ChainModel(72, 104).cuda().train(training)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="fusepass", options={"gemm": "triton"})
+    x = make_input(80, 72, "cuda")
+    from torch._inductor.utils import run_and_get_code
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, code = run_and_get_code(compiled, x)
+        expected = eager(x)
+    assert "_gemm_kernel" in code[0]
+    assert "torch.bfloat16" in code[0] and "(104, 72), (72, 1), torch.bfloat16" not in code[0]
+    assert_fused(rewrites=1)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    if training:
+        out.float().sum().backward()
+        expected.float().sum().backward()
+        torch.testing.assert_close(model.linear.weight.grad, eager.linear.weight.grad, atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.parametrize("gemm, kernels", [("triton", ["_gemm_kernel", "normalize_softmax_kernel"]),

@@ -211,6 +211,7 @@ def _op_args(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Ker
         out_dtype=result.dtype,
         save_linear_out=bool(result.requires_grad),  # the backward needs it; inference does not
         kernel=kernel,
+        input_grad=bool(meta_value(linear.x).requires_grad),
     )
 
 

@@ -98,7 +98,9 @@ def _gemm_choice(args: ChainArgs) -> str:
 def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[str, Implementation]:
     """Every way to run the op for this problem that the tuner's search times (tuning.search: the short
     search takes each precision's gemm_configs.shortlist), by name, the default first; only those that
-    can launch for this call (Implementation.unlaunchable). TF32 and 3xTF32 also with the smaller
+    can launch for this call (Implementation.unlaunchable). Under autocast, an fp32 weight also cast tile by
+    tile in the Triton GEMM, unless the op returns a cast of it for its backward anyway. TF32 and 3xTF32 also
+    with the smaller
     operand prepared in memory (gemm_precisions.py), unless the options forbid operand copies, and in
     3xTF32 the warp-specialized Gluon GEMM splitting either operand, in memory (unless forbidden) or in
     the kernel, which copies nothing (Hopper; warp_specialized_offered).
@@ -115,6 +117,8 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
         variant = prepared_variant(precision, rows * in_features, out_features * in_features)
         if variant and args.kernel.operand_copies:
             precisions.append(variant)
+        if args.linear.casts_weight and not args.returns_compute_weight:
+            precisions.append("cast_w")
         # Traced, no TMA configs: torch does not capture TMA descriptors when it traces a wrap_triton
         # launch outside Dynamo ("not yet supported", torch 2.13's triton_kernel_wrap.py), and the
         # operands' addresses (so their alignment) are not known yet.

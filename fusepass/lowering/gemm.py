@@ -15,7 +15,9 @@ first operand, so that the split halves feed the tensor cores from registers, an
 transposed); ROUND_W and ROUND_X are TF32 with W or x rounded to tf32 once in memory, the other tile
 rounded in registers as the dot's first operand (why: gemm_precisions.py). Plain fp32 FMA is left to
 cuBLAS: a Triton FMA GEMM measured 2.7x eager's error in a gradient. bf16/fp16 inputs use the NATIVE
-dot, fp32 accumulation.
+dot, fp32 accumulation; CAST_W is the same product from an fp32 W under autocast, each W tile cast to
+x's dtype in registers (as the dot's first operand, y's tile accumulated transposed), so that no cast of
+the whole W is made.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ SPLIT_W = tl.constexpr(3)
 SPLIT_X = tl.constexpr(4)
 ROUND_W = tl.constexpr(5)
 ROUND_X = tl.constexpr(6)
+CAST_W = tl.constexpr(7)
 PRECISIONS = {"native": NATIVE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W, "split_x": SPLIT_X,
-              "round_w": ROUND_W, "round_x": ROUND_X}
+              "round_w": ROUND_W, "round_x": ROUND_X, "cast_w": CAST_W}
 
 
 class GemmMeta(NamedTuple):
@@ -108,7 +111,7 @@ def _persistent_unlaunchable(x: Tensor, weight: Tensor, precision: str) -> Optio
 def _dot(a, b, lo, acc, PRECISION: tl.constexpr):
     """acc + a @ b in the requested precision. lo: the low tf32 half of the operand split in memory
     (SPLIT_W: of b; SPLIT_X: of a, whose high half is a). ROUND_W: b is rounded already, ROUND_X: a.
-    SPLIT_X and ROUND_X accumulate (a @ b)^T (_transposed)."""
+    CAST_W: b is fp32, a 16-bit. SPLIT_X, ROUND_X and CAST_W accumulate (a @ b)^T (_transposed)."""
     if PRECISION == TF32:
         # Tensor cores truncate fp32 operands to tf32; rounding them to nearest first, as cuBLAS does,
         # avoids a bias that grows with K (measured on an H200: 2.5x cuBLAS tf32's error in a gradient).
@@ -131,6 +134,9 @@ def _dot(a, b, lo, acc, PRECISION: tl.constexpr):
     elif PRECISION == ROUND_X:
         b_hi, _ = tf32_split(tl.trans(b))
         acc = tl.dot(b_hi, tl.trans(a), acc, input_precision="tf32")
+    elif PRECISION == CAST_W:
+        # Rounded to nearest as autocast's cast rounds; the cast tile feeds the tensor cores from registers
+        acc = tl.dot(tl.trans(b).to(a.dtype), tl.trans(a), acc)
     else:
         acc = tl.dot(a, b, acc)
     return acc
@@ -302,7 +308,7 @@ def _descriptor_tile_product(x_desc, w_desc, lo_desc, K, pid_m, pid_n, PRECISION
 def _transposed(precision):
     """Whether _dot accumulates y's tile transposed: a compile-time answer, which `if` needs to compile one
     branch only (the two accumulators' shapes differ)."""
-    return precision in (SPLIT_X.value, ROUND_X.value)
+    return precision in (SPLIT_X.value, ROUND_X.value, CAST_W.value)
 
 
 @triton.jit
@@ -353,8 +359,9 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
 def needs_k_major_copy(weight: Tensor, precision: str) -> bool:
     """An (in, out) weight seen as (out, in) (a matmul head's W.t(), a backward's x.t()): TF32 tensor
     cores read their second operand K-major only, so the GEMM gives them a K-major copy (the tuner
-    times it). A W prepared in memory is K-major already."""
-    return weight.dtype == torch.float32 and not prepares(precision, "weight") and weight.stride(1) != 1
+    times it). A W prepared in memory is K-major already; one cast in registers is read into them, any layout."""
+    return (weight.dtype == torch.float32 and not prepares(precision, "weight") and precision != "cast_w"
+            and weight.stride(1) != 1)
 
 
 def _prepare_operands(x: Tensor, weight: Tensor, precision: str) -> tuple[Tensor, Tensor, Optional[Tensor]]:
@@ -420,7 +427,7 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
         scale_before.value, bn.eps if bn else 0.0,
         META=tuple(GemmMeta(
-            precision=(PRECISIONS[precision] if x.dtype == torch.float32 else NATIVE).value,
+            precision=kernel_precision(precision, x.dtype),
             epilogue=epilogue, store_y=store_y, eval_stats=eval_norm is not None,
             has_bias=bias is not None, scale_mode=scale_before.mode,
             has_gamma=bn is not None and bn.weight is not None, has_beta=bn is not None and bn.bias is not None,
@@ -430,6 +437,11 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return GemmOutputs(y, out, parts)
+
+
+def kernel_precision(precision: str, x_dtype: torch.dtype) -> int:
+    """The kernel's PRECISION: 16-bit operands multiply natively, unless W is cast in the kernel."""
+    return (PRECISIONS[precision] if x_dtype == torch.float32 or precision == "cast_w" else NATIVE).value
 
 
 def _scratch_allocator(device: torch.device):

@@ -59,6 +59,9 @@ def candidates(precision: str, dtype: torch.dtype) -> list[GemmConfig]:
     elif precision == "round_w":
         configs = [GemmConfig(128, 256, 32, 8, 8, 4), GemmConfig(256, 128, 32, 8, 8, 3),
                    GemmConfig(64, 64, 64, 8, 4, 3)]
+    elif precision == "cast_w":
+        configs = [GemmConfig(256, 128, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4),
+                   GemmConfig(64, 64, 64, 8, 4, 3)]
     else:
         configs = [GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4),
                    GemmConfig(64, 64, 64, 8, 4, 3)]

@@ -39,8 +39,13 @@ class Implementation:
     def name(self) -> str:
         return f"triton {self.precision} {self.config.describe()}" if self.config else "cublas"
 
+    @property
+    def casts_weight_in_kernel(self) -> bool:
+        """Whether its GEMM reads an fp32 weight under autocast as it is, casting each tile (gemm.CAST_W)."""
+        return self.precision == "cast_w"
+
     def __call__(self, args: ChainArgs) -> ChainOutputs:
-        run = args.in_compute_dtype()
+        run = args if self.casts_weight_in_kernel else args.in_compute_dtype()
         if self.config is None:
             outputs = on_cublas(run, self.precision)
         elif self.config.warp_specialized:
@@ -52,12 +57,12 @@ class Implementation:
     def unlaunchable(self, args: ChainArgs) -> Optional[str]:
         """Why this call cannot run on these kernels (limits.py), or None."""
         x, n_features = args.linear.x, args.n_features
+        weight = args.linear.weight if self.casts_weight_in_kernel else args.linear.compute_weight_like()
         return limits.first(
             limits.off_device(x.device, [a for a in flatten(args) if isinstance(a, Tensor)]),
             limits.some_rows(x.shape[0]),
             limits.column_grid(n_features),
-            gemm_unlaunchable(x, args.linear.compute_weight_like(), args.out_dtype, self.precision, self.config)
-            if self.config else None,
+            gemm_unlaunchable(x, weight, args.out_dtype, self.precision, self.config) if self.config else None,
         )
 
 

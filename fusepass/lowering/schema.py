@@ -157,6 +157,7 @@ class ChainArgs:
     out_dtype: torch.dtype
     save_linear_out: bool  # also return the linear output: the backward needs it
     kernel: KernelOptions
+    input_grad: bool = True  # the backward makes x's gradient (its dX GEMM reads the weight)
 
     def validate(self) -> None:
         """The checks eager makes (with eager's messages) and the kernel options'."""
@@ -178,15 +179,16 @@ class ChainArgs:
     def returns_compute_weight(self) -> bool:
         """Whether the op returns its cast of the weight: the backward's dX GEMM reads it (as eager's
         autocast keeps its cast for the backward), so no second cast runs."""
-        return self.linear.casts_weight and self.save_linear_out
+        return self.linear.casts_weight and self.save_linear_out and self.input_grad
 
     def in_compute_dtype(self) -> "ChainArgs":
         return dataclasses.replace(self, linear=self.linear.in_compute_dtype())
 
     def compute_weight_output(self, run: "ChainArgs") -> Tensor:
-        """The op's compute_weight output, from the arguments it ran with (in_compute_dtype's)."""
+        """The op's compute_weight output, from the arguments it ran with (in_compute_dtype's, or its own
+        where its GEMM cast the weight's tiles itself)."""
         if self.returns_compute_weight:
-            return run.linear.weight
+            return run.linear.in_compute_dtype().weight
         return run.linear.x.new_empty(0)
 
 

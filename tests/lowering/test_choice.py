@@ -129,3 +129,23 @@ def test_stand_ins_have_the_shapes_and_a_positive_variance():
     real = choice.stand_ins(args)
     assert real.linear.x.shape == args.linear.x.shape and real.batch_norm.weight.shape == (5,)
     assert (real.batch_norm.running_var > 0).all() and real.batch_norm.training is False
+
+
+def test_an_autocast_weight_is_offered_cast_in_the_gemm_unless_its_cast_is_kept():
+    """Under autocast (x 16-bit, W fp32 as the model holds it) the Triton GEMM may cast W's tiles as it
+    reads them (cast_w), where no cast of the whole W is made anyway: not for a training call whose
+    backward makes x's gradient (the op returns the cast for that dX GEMM)."""
+    args = make_args(8, 16, 24, dtype=torch.float16, save_linear_out=True)
+    autocast = dataclasses.replace(args, linear=dataclasses.replace(args.linear, weight=args.linear.weight.float()))
+
+    def offered(**changes):
+        names = candidates(dataclasses.replace(autocast, **changes))
+        return {name.split()[1] for name in names if name.startswith("triton")}
+
+    assert offered(input_grad=False) == {"native", "cast_w"}
+    assert offered(input_grad=True) == {"native"}
+    assert offered(input_grad=True, save_linear_out=False) == {"native", "cast_w"}  # inference
+    assert {name.split()[1] for name in candidates(args) if name.startswith("triton")} == {"native"}  # W 16-bit
+    assert "cublas" in candidates(dataclasses.replace(autocast, input_grad=False))
+    assert choice.problem(dataclasses.replace(autocast, input_grad=False), False).family != \
+        choice.problem(autocast, False).family

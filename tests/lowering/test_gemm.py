@@ -14,6 +14,7 @@ from fusepass.lowering import gemm, gemm_configs, limits
 from fusepass.lowering.implementations import Implementation, on_cublas, on_triton_gemm
 from fusepass.lowering.schema import Linear
 from fusepass.lowering.tf32_split import round_tf32, split_tf32
+from fusepass.numerics import rel_error
 from tests.chains import assert_no_further_from_float64, requires_cuda
 from tests.lowering.cases import HALF_DTYPES, KERNEL_DEVICE, assert_like_eager, make_args, record_launches
 
@@ -101,6 +102,49 @@ def test_reduced_precision_gemm_errors(precision, dtype, bound):
     assert y.dtype == dtype
     ref = x.double() @ w.double().t()
     assert ((y.double() - ref).norm() / ref.norm()).item() < bound
+
+
+@pytest.mark.parametrize("m, k, n", [(37, 40, 19), (64, 48, 64), (5, 7, 3)])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("config", ["program per tile", "tma", "persistent"])
+@pytest.mark.parametrize("layout", ["row-major", "transposed"])
+def test_weight_cast_in_the_gemm_is_the_product_of_the_cast_weight(m, k, n, dtype, config, layout):
+    """cast_w: an fp32 W (autocast's) cast tile by tile in the kernel multiplies exactly what the native
+    GEMM multiplies from W cast in memory (round to nearest, as autocast's cast), and is as close to the
+    float64 product of the cast operands, K-major or not, with partial tiles and K blocks."""
+    g = torch.Generator().manual_seed(m + 3 * k + n)
+    x, w, b = (torch.randn(shape, generator=g).to(KERNEL_DEVICE) for shape in ((m, k), (n, k), (n,)))
+    x, b = x.to(dtype), b.to(dtype)
+    if layout == "transposed":  # a matmul head's (in, out) W seen as (out, in)
+        w = w.t().contiguous().t()
+    tiles = {"program per tile": SMALL, "tma": SMALL.with_tma(), "persistent": PERSISTENT}[config]
+    if gemm.unlaunchable(x, w, "cast_w", tiles):
+        assert config != "program per tile" and layout == "transposed" or k == 7  # TMA's rows
+        return
+    assert not gemm.needs_k_major_copy(w, "cast_w")  # read into registers in any layout
+    y = gemm.run_gemm(Linear(x, w, b), "cast_w", tiles).y
+    native = gemm.run_gemm(Linear(x, w.to(dtype), b), "native", tiles).y
+    assert y.dtype == dtype and y.shape == (m, n)
+    exact = x.double() @ w.to(dtype).double().t() + b.double()
+    assert rel_error(y, exact) <= 1.01 * rel_error(native, exact) + 1e-6
+    torch.testing.assert_close(y, native, rtol=2 * torch.finfo(dtype).eps, atol=1e-3)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("tail", ["bn", "softmax"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_weight_cast_in_the_gemm_matches_eager_autocast(training, tail, dtype):
+    """The chain on cast_w, its W fp32: eager's autocast result (W cast, then the chain), no further from
+    float64; and no cast of W returned where no dX GEMM reads one."""
+    args = make_args(45, 24, 37, dtype=dtype, scale="per_feature", softmax=tail == "softmax", training=training,
+                     save_linear_out=True, momentum=0.3)
+    autocast = dataclasses.replace(args, linear=dataclasses.replace(args.linear, weight=args.linear.weight.float()),
+                                   input_grad=False)
+    fused = Implementation("cast_w", SMALL)(autocast)
+    assert_like_eager(fused, args)
+    assert fused.compute_weight.numel() == 0
+    kept = Implementation("cast_w", SMALL)(dataclasses.replace(autocast, input_grad=True))
+    assert torch.equal(kept.compute_weight, args.linear.weight)  # cast anyway where the backward reads it
 
 
 @pytest.mark.parametrize("scale", ["per_feature", "single", "number"])
