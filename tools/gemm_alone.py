@@ -5,9 +5,11 @@ memory, split or rounded, the preparation included; in 3xTF32 also the warp-spec
 splitting W or x, as the linear op runs it), TFLOP/s and the fraction of the GPU's dense peak.
 GPU only.
 
-    python tools/gemm_alone.py [--json FILE] [--shapes M,K,N ...] [--precisions bf16 tf32 tf32x3]
+    python tools/gemm_alone.py [--json FILE] [--shapes M,K,N ...] [--precisions bf16 bf16-autocast tf32 tf32x3]
 
-Precisions: bf16 (both operands bf16, fp32 accumulation) against cuBLAS bf16; tf32 (fp32 operands on
+Precisions: bf16 (both operands bf16, fp32 accumulation) against cuBLAS bf16; bf16-autocast (x bf16, W
+fp32 as a model under autocast holds it) against its cast and cuBLAS bf16, as eager runs it, fusepass's
+native GEMM after the same cast or cast_w (W's tiles cast in the kernel); tf32 (fp32 operands on
 TF32 tensor cores, rounded to nearest) against cuBLAS with TF32 allowed; tf32x3 (fp32-accurate 3xTF32)
 against cuBLAS's IEEE fp32, eager's fp32. Times: do_bench medians, L2 flushed.
 """
@@ -32,17 +34,17 @@ from fusepass.numerics import rel_error
 # (M, K, N): the seed chains' 1024 x 8192 -> 8192 and 16384 x 4096 -> 4096, and the MLP's three layers
 # (torchvision MLP(1024, [4096, 4096, 256]) at batch 4096).
 SHAPES = [(1024, 8192, 8192), (16384, 4096, 4096), (4096, 1024, 4096), (4096, 4096, 4096), (4096, 4096, 256)]
-PRECISIONS = ("bf16", "tf32", "tf32x3")
+PRECISIONS = ("bf16", "bf16-autocast", "tf32", "tf32x3")
 # Dense tensor-core peaks from the data sheets (H100 SXM and H200 alike), TFLOP/s; 3xTF32 makes three
 # TF32 products per fp32 one, so its peak is TF32's over three.
-PEAKS = {"bf16": 989e12, "tf32": 495e12, "tf32x3": 495e12 / 3}
+PEAKS = {"bf16": 989e12, "bf16-autocast": 989e12, "tf32": 495e12, "tf32x3": 495e12 / 3}
 
 
 def candidates(precision: str) -> list[tuple[str, gemm_configs.GemmConfig]]:
     """(kernel precision, config) for every candidate; the fp32 precisions' prepared variants too."""
-    kernel_precisions = {"bf16": ["native"], "tf32": ["tf32", "round_w", "round_x"],
-                         "tf32x3": ["tf32x3", "split_w", "split_x"]}
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    kernel_precisions = {"bf16": ["native"], "bf16-autocast": ["native", "cast_w"],
+                         "tf32": ["tf32", "round_w", "round_x"], "tf32x3": ["tf32x3", "split_w", "split_x"]}
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
     return [(p, c) for p in kernel_precisions[precision] for c in gemm_configs.candidates(p, dtype)]
 
 
@@ -52,24 +54,29 @@ def bench(fn) -> float:
 
 def measure(m: int, k: int, n: int, precision: str) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
-    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
-    exact = F.linear(x.double(), w.double())
+    # Under autocast W stays fp32, and eager casts it on every call, its cast timed with the GEMM
+    held = torch.float32 if precision == "bf16-autocast" else dtype
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(held)
+    exact = F.linear(x.double(), w.to(dtype).double())
     flop = 2 * m * n * k
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-    cublas_ms = bench(lambda: F.linear(x, w))
-    cublas_err = rel_error(F.linear(x, w), exact)
+    cublas_ms = bench(lambda: F.linear(x, w.to(dtype)))
+    cublas_err = rel_error(F.linear(x, w.to(dtype)), exact)
     torch.backends.cuda.matmul.allow_tf32 = False
     best = None
-    product = Linear(x, w, None)
     for kernel_precision, config in candidates(precision):
-        if gemm.unlaunchable(x, w, kernel_precision, config):
+        weight = w if kernel_precision == "cast_w" else w.to(dtype)
+        if gemm.unlaunchable(x, weight, kernel_precision, config):
             continue
-        ms = bench(lambda: gemm.run_gemm(product, kernel_precision, config))
+
+        def run():
+            return gemm.run_gemm(Linear(x, w if kernel_precision == "cast_w" else w.to(dtype), None), kernel_precision,
+                                 config)
+        ms = bench(run)
         if best is None or ms < best[0]:
-            best = (ms, f"{kernel_precision} {config.describe()}",
-                    rel_error(gemm.run_gemm(product, kernel_precision, config).y, exact))
+            best = (ms, f"{kernel_precision} {config.describe()}", rel_error(run().y, exact))
     if precision == "tf32x3":
         best = min(best, _warp_specialized(x, w, exact))
     ms, config, err = best
