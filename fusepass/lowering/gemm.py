@@ -34,25 +34,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusepass.lowering import limits, pointwise
 from fusepass.lowering.gemm_configs import GemmConfig, sm_count
-from fusepass.lowering.gemm_precisions import prepared, prepares
+from fusepass.lowering.gemm_precisions import (CAST_W, ROUND_W, ROUND_X, SPLIT_W, SPLIT_X, TF32, TF32X3,
+                                               kernel_precision, prepared, prepares)
 from fusepass.lowering.gemm_epilogue import EPILOGUE_LINEAR, EPILOGUE_NORMALIZE, EPILOGUE_STATISTICS, tile_epilogue
 from fusepass.lowering.launch import launch, present_or_placeholder, tracing, unused_pointer
 from fusepass.lowering.normalize import Partials
 from fusepass.lowering.schema import BatchNorm, Linear, Scale, Tail
 from fusepass.lowering.tf32_split import round_tf32, split_tf32, tf32_split
 from fusepass.lowering.tiles import grouped_tile, tile_offsets
-
-# GEMM precisions (PRECISION).
-NATIVE = tl.constexpr(0)
-TF32 = tl.constexpr(1)
-TF32X3 = tl.constexpr(2)
-SPLIT_W = tl.constexpr(3)
-SPLIT_X = tl.constexpr(4)
-ROUND_W = tl.constexpr(5)
-ROUND_X = tl.constexpr(6)
-CAST_W = tl.constexpr(7)
-PRECISIONS = {"native": NATIVE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W, "split_x": SPLIT_X,
-              "round_w": ROUND_W, "round_x": ROUND_X, "cast_w": CAST_W}
 
 
 class GemmMeta(NamedTuple):
@@ -437,11 +426,6 @@ def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: Ge
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return GemmOutputs(y, out, parts)
-
-
-def kernel_precision(precision: str, x_dtype: torch.dtype) -> int:
-    """The kernel's PRECISION: 16-bit operands multiply natively, unless W is cast in the kernel."""
-    return (PRECISIONS[precision] if x_dtype == torch.float32 or precision == "cast_w" else NATIVE).value
 
 
 def _scratch_allocator(device: torch.device):

@@ -1,5 +1,6 @@
-"""The Triton GEMM's fp32 precisions that read one operand prepared once in memory (gemm.py): split into
-tf32 hi + lo for 3xTF32 (split_w, split_x), or rounded to tf32 for TF32 (round_w, round_x).
+"""The Triton GEMM's precisions (gemm.py's PRECISION), and the fp32 ones that read one operand prepared once
+in memory: split into tf32 hi + lo for 3xTF32 (split_w, split_x), or rounded to tf32 for TF32 (round_w,
+round_x).
 
 Why prepare an operand: wgmma reads its second operand from shared memory only. An operand split or
 rounded in registers has to go back to shared memory every K block, and the compiler then waits for
@@ -13,6 +14,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+import torch
+import triton.language as tl
+
+# The kernel's modes (PRECISION), gemm.py's docstring says what each multiplies.
+NATIVE = tl.constexpr(0)
+TF32 = tl.constexpr(1)
+TF32X3 = tl.constexpr(2)
+SPLIT_W = tl.constexpr(3)
+SPLIT_X = tl.constexpr(4)
+ROUND_W = tl.constexpr(5)
+ROUND_X = tl.constexpr(6)
+CAST_W = tl.constexpr(7)
+PRECISIONS = {"native": NATIVE, "tf32": TF32, "tf32x3": TF32X3, "split_w": SPLIT_W, "split_x": SPLIT_X,
+              "round_w": ROUND_W, "round_x": ROUND_X, "cast_w": CAST_W}
 
 
 @dataclass(frozen=True)
@@ -54,3 +70,8 @@ def prepared_variant(precision: str, x_elements: int, weight_elements: int, weig
         return None
     of_x, of_weight = _VARIANTS[precision]
     return of_x if weight_k_major and x_elements < weight_elements else of_weight
+
+
+def kernel_precision(precision: str, x_dtype: torch.dtype) -> int:
+    """The kernel's PRECISION: 16-bit operands multiply natively, unless W is cast in the kernel."""
+    return (PRECISIONS[precision] if x_dtype == torch.float32 or precision == "cast_w" else NATIVE).value

@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fusepass.lowering import gemm, normalize_kernels, pointwise, tf32_split
+from fusepass.lowering.gemm_precisions import PRECISIONS
 from fusepass.lowering.normalize import OutputMeta
 from fusepass.lowering.normalize_kernels import STATS_MERGE, STATS_READ, STATS_RUNNING
 from fusepass.lowering.tiles import SCALE_NUMBER, SCALE_PER_FEATURE, SCALE_SINGLE
@@ -34,15 +35,17 @@ TAIL = pointwise.tail_program("mul(v0,t0);sub(v1,t1);add(v2,3.0);leaky_relu(v3|0
 NO_TAIL = pointwise.tail_program("", (None, None, None, None))
 
 
-def _compile(kernel, constexprs: dict, pointer_type: str = "*fp32") -> str:
-    """The kernel's PTX, compiled down to a cubin."""
+def _compile(kernel, constexprs: dict, pointer_type="*fp32") -> str:
+    """The kernel's PTX, compiled down to a cubin. pointer_type: every pointer's, or a dict of them by
+    parameter name, "" for the rest."""
+    types = pointer_type if isinstance(pointer_type, dict) else {"": pointer_type}
     signature = {}
     for param in kernel.params:
         name = param.name
         if param.is_constexpr:
             signature[name] = "constexpr"
         elif name.endswith("_ptr") or name.startswith("tail_tensor_"):
-            signature[name] = pointer_type
+            signature[name] = types.get(name, types[""])
         else:
             signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
     compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER)
@@ -64,7 +67,7 @@ def _output_meta(source, tail) -> dict:
 def _gemm_meta(precision: str, epilogue, tail, persistent: bool = False, eval_stats: bool = False) -> dict:
     """Tiles that are not square: a branch between y's tile and its transpose must resolve when compiled."""
     return dict(META=tuple(gemm.GemmMeta(
-        precision=gemm.PRECISIONS[precision].value, epilogue=epilogue.value, store_y=True,
+        precision=PRECISIONS[precision].value, epilogue=epilogue.value, store_y=True,
         eval_stats=eval_stats or epilogue == gemm.EPILOGUE_NORMALIZE, has_bias=True, scale_mode=SCALE_NUMBER.value,
         has_gamma=True, has_beta=False, block_m=128, block_n=64, block_k=32, group_m=8, use_tma=False,
         persistent=persistent, k_tail=not persistent)), TAIL=tail)
@@ -104,6 +107,11 @@ def cases() -> dict:
     for precision in ("tf32", "tf32x3", "split_w", "split_x", "round_w", "round_x"):
         found[f"gemm_kernel[{precision}-persistent]"] = (
             gemm._gemm_kernel, _gemm_meta(precision, gemm.EPILOGUE_STATISTICS, NO_TAIL, True), "*fp32")
+    # An autocast weight cast in the kernel: x and the rest bf16, W fp32
+    for persistent in (False, True):
+        found[f"gemm_kernel[cast_w-{'persistent' if persistent else 'tile'}]"] = (
+            gemm._gemm_kernel, _gemm_meta("cast_w", gemm.EPILOGUE_STATISTICS, NO_TAIL, persistent),
+            {"": "*bf16", "w_ptr": "*fp32"})
     return found
 
 
