@@ -26,7 +26,8 @@ aten = torch.ops.aten
 
 def setup_context(ctx, inputs: tuple, output: tuple) -> None:
     """Saves, per step of the chain: the head's x and W (dW needs x, dX needs W: under autocast the op's
-    cast of W, which the fp32 W is not saved beside); the linear output y, once, with the per-feature
+    cast of W, which the fp32 W is not saved beside, or where no dX is made the fp32 W itself, a
+    parameter); the linear output y, once, with the per-feature
     mean and invstd: the normalized value, the batch norm's output and the tail's values are rebuilt from
     them in the backward's own pass, never saved; the scale, gamma, beta and the tail's tensor operands;
     and the chain's output where the backward reads it: with softmax, the probabilities, whose rebuild
