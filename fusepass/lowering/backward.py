@@ -103,7 +103,7 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
             grads["linear_weight"] = linear.call(x.t(), grad_y.t(), None, ctx.kernel, ctx.weight_grad_dtype).t()
         else:
             grads["linear_weight"] = linear.call(grad_y.t(), x.t(), None, ctx.kernel, ctx.weight_grad_dtype)
-    if need.linear.x:  # (the cast of an fp32 weight under autocast is saved, unless the op was told no dX)
+    if need.linear.x:  # under autocast the saved cast of W; its fp32 W only where the op was told no dX
         grads["linear_x"] = linear.call(grad_y, weight.t().to(grad_y.dtype), None, ctx.kernel)
     if need.linear.bias:
         grads["linear_bias"] = _linear_bias_grad(ctx, grad_y)

@@ -98,12 +98,11 @@ def _gemm_choice(args: ChainArgs) -> str:
 def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[str, Implementation]:
     """Every way to run the op for this problem that the tuner's search times (tuning.search: the short
     search takes each precision's gemm_configs.shortlist), by name, the default first; only those that
-    can launch for this call (Implementation.unlaunchable). Under autocast, an fp32 weight also cast tile by
-    tile in the Triton GEMM, unless the op returns a cast of it for its backward anyway. TF32 and 3xTF32 also
-    with the smaller
-    operand prepared in memory (gemm_precisions.py), unless the options forbid operand copies, and in
-    3xTF32 the warp-specialized Gluon GEMM splitting either operand, in memory (unless forbidden) or in
-    the kernel, which copies nothing (Hopper; warp_specialized_offered).
+    can launch for this call (Implementation.unlaunchable). Under autocast, an fp32 weight also cast tile
+    by tile in the Triton GEMM (cast_w), unless the op returns a cast of it for its backward anyway. TF32
+    and 3xTF32 also with the smaller operand prepared in memory (gemm_precisions.py), unless the options
+    forbid operand copies, and in 3xTF32 the warp-specialized Gluon GEMM splitting either operand, in
+    memory (unless forbidden) or in the kernel, which copies nothing (Hopper; warp_specialized_offered).
     Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever the gemm option says. TMA tile configs are
     offered where the call is not traced. `traced`: only those that can run inside Inductor's graph (may
     be none; see cublas_traceable)."""

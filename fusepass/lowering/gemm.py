@@ -348,7 +348,8 @@ def run_gemm(linear: Linear, precision: str, config: GemmConfig, *, epilogue: in
 def needs_k_major_copy(weight: Tensor, precision: str) -> bool:
     """An (in, out) weight seen as (out, in) (a matmul head's W.t(), a backward's x.t()): TF32 tensor
     cores read their second operand K-major only, so the GEMM gives them a K-major copy (the tuner
-    times it). A W prepared in memory is K-major already; one cast in registers is read into them, any layout."""
+    times it). A W prepared in memory is K-major already, and cast_w reads W's tiles into registers,
+    whatever its layout."""
     return (weight.dtype == torch.float32 and not prepares(precision, "weight") and precision != "cast_w"
             and weight.stride(1) != 1)
 
