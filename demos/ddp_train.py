@@ -6,9 +6,10 @@ SyncBatchNorm chains (the user's own convert_sync_batchnorm), eager DDP / Induct
 
 Each rank trains on its own batch of the problem's batch size over the world size (the reference batch
 split across the GPUs), for --warmup steps and then --steps timed steps (forward, backward, SGD step).
-Every rank prints what fusepass fused; rank 0 prints the median step time of each provider, timed with
-CUDA events over a fixed number of steps (all ranks must run the same steps: their collectives pair up,
-so do_bench's own choice of repetitions cannot be used). --profile: after timing, rank 0 also prints the
+Every rank prints what fusepass fused; rank 0 prints the median step time of each provider as it is
+timed, and all of them in a table at the end, timed with CUDA events over a fixed number of steps (all
+ranks must run the same steps: their collectives pair up, so do_bench's own choice of repetitions cannot
+be used). --profile: after timing, rank 0 also prints the
 named providers' (every provider's if none is named) host time per step (the steps queued without
 synchronizing), every rank's host, wall and CUDA kernel times (NCCL's apart: a rank that waits for
 another shows it there), the CUDA kernels of --steps steps (torch.profiler) and the Python functions
@@ -103,6 +104,8 @@ def run_case(path: str, norm: str, precision: str, args, device: torch.device, r
         step = training_step(provider, copy.deepcopy(base), inputs, precision, device)
         times = timed(step, args.warmup, args.steps, device)
         case["ms"][provider] = statistics.median(times)
+        if rank == 0:  # at once: a profile or a provider that fails later leaves it
+            print(f"{case['problem']} {norm} {precision} {provider}: {case['ms'][provider]:.3f} ms a step", flush=True)
         if args.profile is not None and provider in (args.profile or PROVIDERS):
             report = profile_steps(step, args.steps, device)
             if rank == 0:

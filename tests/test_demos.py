@@ -84,6 +84,8 @@ def test_ddp_train_demo_runs_under_torchrun_on_cpu(tmp_path):
     for provider in ("inductor", "fusepass"):
         assert f"== mlp_batchnorm batch_norm fp32 {provider} ==\nhost " in result.stdout, result.stdout
     assert "fp32 eager ==" not in result.stdout
+    for provider in ("eager", "inductor", "fusepass"):  # each median as soon as it is timed
+        assert result.stdout.count(f"mlp_batchnorm batch_norm fp32 {provider}: ") == 1, result.stdout
     assert result.stdout.count("over 2 steps") == 2 and result.stdout.count("function calls") == 2
     for rank in (0, 1):  # every rank's times, printed by rank 0 (no CUDA kernels on CPU)
         assert result.stdout.count(f"rank {rank}: host ") == 2, result.stdout
