@@ -165,6 +165,17 @@ def test_kernel_options_become_op_arguments():
             arguments["kernel_cuda_graphs"]) == ("ieee", "cublas", False, True)
 
 
+@pytest.mark.parametrize("x_grad", [False, True])
+def test_the_op_is_told_whether_x_gets_a_gradient(x_grad):
+    """input_grad follows x's requires_grad in the captured graph: a first layer's input (data) has none,
+    and its op keeps no cast of W for a dX GEMM; the output's own need of a backward is save_linear_out."""
+    gm = single_graph(ChainModel().train(), make_input(8, 32).requires_grad_(x_grad))
+    rewrite(gm)
+    [fused] = [n for n in gm.graph.nodes if n.target is FUSED_OP]
+    arguments = op_arguments(fused)
+    assert arguments["input_grad"] is x_grad and arguments["save_linear_out"] is True
+
+
 @pytest.mark.parametrize("mode, options, cuda_graphs", [
     (None, {}, False), ("reduce-overhead", {}, True), ("max-autotune", {}, True),
     ("max-autotune-no-cudagraphs", {}, False), (None, {"triton.cudagraphs": True}, True)])

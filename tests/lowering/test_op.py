@@ -289,3 +289,26 @@ def test_autocast_op_saves_the_cast_weight_not_the_fp32_one():
     assert outputs.compute_weight.shape == (40, 24)
     eval_outputs = op.call(dataclasses.replace(args, save_linear_out=False))
     assert eval_outputs.compute_weight.numel() == 0  # no backward: nothing kept
+
+
+def test_autocast_op_told_no_x_gradient_keeps_no_cast_of_the_weight():
+    """Told its backward makes no x gradient (input_grad False: a model's first layer), the op returns no
+    cast of the weight and saves none: what it keeps of W is the fp32 parameter itself. Should x's
+    gradient be asked for all the same, the backward casts W for it, and every gradient is what the op
+    told to keep its cast gives."""
+    def run(input_grad: bool):
+        args, weight = autocast_case("cpu", n=16, k=24, f=40)
+        args = dataclasses.replace(args, input_grad=input_grad)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            outputs = op.call(args)
+        outputs.out.float().sum().backward()
+        return outputs, saved, weight, args.linear.x
+
+    outputs, saved, weight, x = run(input_grad=False)
+    assert outputs.compute_weight.numel() == 0
+    weights = [t for t in saved if tuple(t.shape) == (40, 24)]
+    assert [t.dtype for t in weights] == [torch.float32] and torch.equal(weights[0], weight.detach())
+    kept_outputs, _, kept_weight, kept_x = run(input_grad=True)
+    assert torch.equal(outputs.out, kept_outputs.out)
+    assert torch.equal(weight.grad, kept_weight.grad) and torch.equal(x.grad, kept_x.grad)
