@@ -78,23 +78,23 @@ def measure(m: int, k: int, n: int, precision: str) -> dict:
         ms = bench(run)
         if best is None or ms < best[0]:
             best = (ms, f"{kernel_precision} {config.describe()}", rel_error(run().y, exact))
-    if precision == "tf32x3":
-        best = min(best, _warp_specialized(x, w, exact))
+    if precision in ("tf32", "tf32x3"):
+        best = min(best, _warp_specialized(x, w, exact, precision))
     ms, config, err = best
     return dict(m=m, k=k, n=n, precision=precision, cublas_ms=cublas_ms, cublas_tflops=flop / cublas_ms / 1e9,
                 cublas_rel_err=cublas_err, fusepass_config=config, fusepass_ms=ms, fusepass_tflops=flop / ms / 1e9,
                 fusepass_rel_err=err, vs_cublas=cublas_ms / ms, of_peak=flop / ms * 1e3 / PEAKS[precision])
 
 
-def _warp_specialized(x, w, exact) -> tuple[float, str, float]:
-    """The best of the warp-specialized configs (the linear op's), splitting W or x, the split included:
-    (ms, config, error); the split operand's blocks are the linear op's."""
+def _warp_specialized(x, w, exact, precision: str) -> tuple[float, str, float]:
+    """The best of the warp-specialized configs (the linear op's), preparing W or x (split or rounded), the
+    preparation included: (ms, config, error); the prepared operand's blocks are the linear op's."""
     times = []
-    call = linear.LinearCall(x, w, None, "tf32x3", "triton")
-    for split, config in warp_specialized_gemm.CANDIDATES:
-        impl = linear.LinearImplementation(split, config)
+    call = linear.LinearCall(x, w, None, "tf32x3", "triton")  # (the implementation fixes the precision)
+    for variant, config in warp_specialized_gemm.candidates(precision, operand_copies=True):
+        impl = linear.LinearImplementation(variant, config)
         if impl.unlaunchable(call) is None:
-            times.append((bench(lambda: impl(call)), f"{split} {config.describe()}", rel_error(impl(call), exact)))
+            times.append((bench(lambda: impl(call)), f"{variant} {config.describe()}", rel_error(impl(call), exact)))
     return min(times, default=(float("inf"), "", float("nan")))
 
 

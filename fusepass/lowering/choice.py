@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from fusepass.lowering import gemm_configs, limits, tuning, warp_specialized_gemm
-from fusepass.lowering.gemm_precisions import PRE_SPLIT, prepared_variant
+from fusepass.lowering.gemm_precisions import prepared_variant
 from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.launch import hint
 from fusepass.lowering.schema import FLAT_NAMES, ChainArgs, flatten, unflatten
@@ -101,8 +101,8 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
     can launch for this call (Implementation.unlaunchable). Under autocast, an fp32 weight also cast tile
     by tile in the Triton GEMM (cast_w), unless the op returns a cast of it for its backward anyway. TF32
     and 3xTF32 also with the smaller operand prepared in memory (gemm_precisions.py), unless the options
-    forbid operand copies, and in 3xTF32 the warp-specialized Gluon GEMM splitting either operand, in
-    memory (unless forbidden) or in the kernel, which copies nothing (Hopper; warp_specialized_offered).
+    forbid operand copies, and in TF32 and 3xTF32 the warp-specialized Gluon GEMM preparing either operand,
+    in memory (unless forbidden) or in the kernel, which copies nothing (Hopper; warp_specialized_offered).
     Plain fp32 FMA ("ieee") is cuBLAS's alone, whatever the gemm option says. TMA tile configs are
     offered where the call is not traced. `traced`: only those that can run inside Inductor's graph (may
     be none; see cublas_traceable)."""
@@ -124,8 +124,9 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
         for p, config in triton_configs(precisions, x.dtype, rows, out_features, x.device, tma=not traced):
             impl = Implementation(p, config)
             found[impl.name] = impl
-        if variant in PRE_SPLIT and warp_specialized_offered(args, rows):
-            for impl in (Implementation(p, c) for p, c in warp_specialized_gemm.candidates(args.kernel.operand_copies)):
+        if warp_specialized_offered(args, rows):
+            for p, config in warp_specialized_gemm.candidates(precision, args.kernel.operand_copies):
+                impl = Implementation(p, config)
                 found[impl.name] = impl
     if (choice in ("auto", "cublas") or not found) and (not traced or cublas_traceable(precision)):
         found["cublas"] = Implementation(precision)

@@ -22,8 +22,8 @@ class GemmConfig:
     num_stages: int = 3
     tma: bool = False  # load the operand tiles through host-made TMA descriptors (Hopper's bulk copy engine)
     persistent: bool = False  # one program per SM over the tiles, loading through in-kernel TMA descriptors
-    warp_specialized: bool = False  # split_w/x on warp_specialized_gemm.py's Gluon kernel
-    split_in_kernel: bool = False  # warp-specialized: the split operand's tiles split in shared memory, no copy
+    warp_specialized: bool = False  # split_w/x, round_w/x on warp_specialized_gemm.py's Gluon kernel
+    split_in_kernel: bool = False  # warp-specialized: the prepared operand's tiles split in shared memory, no copy
 
     def describe(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} "

@@ -52,6 +52,16 @@ def prepared(precision: str) -> Optional[Prepared]:
     return PREPARED.get(precision)
 
 
+def variants(precision: str) -> tuple[str, ...]:
+    """The variants of an fp32 precision ("tf32", "tf32x3") that prepare x or W; none for others."""
+    return _VARIANTS.get(precision, ())
+
+
+def preparing_weight(precision: str) -> str:
+    """The variant that prepares W as `precision` prepares its operand (the same parts)."""
+    return next(p for p, how in PREPARED.items() if how.operand == "weight" and how.parts == PREPARED[precision].parts)
+
+
 def prepares(precision: str, operand: str) -> bool:
     """Whether the precision reads `operand` ("x" or "weight") prepared in memory."""
     how = PREPARED.get(precision)

@@ -2,7 +2,7 @@
 
 - `on_triton_gemm`: fusepass's Triton GEMM (gemm.py) with the statistics (training) or the whole
   eval-mode normalization in its epilogue, then the passes after it (normalize.py) where still needed.
-- `on_warp_specialized_gemm`: the warp-specialized Gluon 3xTF32 GEMM (warp_specialized_gemm.py) with
+- `on_warp_specialized_gemm`: the warp-specialized Gluon TF32 / 3xTF32 GEMM (warp_specialized_gemm.py) with
   the bias and, in training, the statistics in its epilogue, then the passes after it.
 - `on_cublas`: cuBLAS's GEMM (F.linear, as eager), then every pass after it.
 
@@ -71,7 +71,7 @@ def gemm_unlaunchable(x: Tensor, weight: Tensor, out_dtype: torch.dtype, precisi
     """Why x @ weight^T cannot run in `precision` on config's GEMM kernel (the Triton GEMM, or the
     warp-specialized Gluon one splitting the precision's operand), or None."""
     if config.warp_specialized:
-        return warp_specialized_gemm.unlaunchable(x, weight, out_dtype, prepared(precision).operand, config)
+        return warp_specialized_gemm.unlaunchable(x, weight, out_dtype, precision, config)
     return gemm.unlaunchable(x, weight, precision, config)
 
 
@@ -99,20 +99,20 @@ def on_triton_gemm(args: ChainArgs, precision: str, config: gemm_configs.GemmCon
 
 def on_warp_specialized_gemm(args: ChainArgs, precision: str, config: gemm_configs.GemmConfig) -> ChainOutputs:
     """Training: the GEMM, its statistics' partials from its epilogue, and the output pass. Eval: the GEMM,
-    then the passes after it (as on cuBLAS: its epilogue has no eval-mode normalization). The split
-    operand is split in the kernel, or in memory whole at its size hint (as the Triton GEMM's forward
-    splits it; a larger batch than the hint runs in more blocks)."""
-    lin, scale, split = args.linear, args.scale_before, prepared(precision).operand
+    then the passes after it (as on cuBLAS: its epilogue has no eval-mode normalization). The prepared
+    operand is split or rounded in the kernel, or in memory whole at its size hint (as the Triton GEMM's
+    forward prepares it; a larger batch than the hint runs in more blocks)."""
+    lin, scale = args.linear, args.scale_before
     training = args.batch_norm.training
-    tile = warp_specialized_gemm.TILE
-    whole = ceil_div(hint((lin.x if split == "x" else lin.weight).shape[0]), tile) * tile
+    tile = config.block_n  # the prepared operand's rows per tile
+    whole = ceil_div(hint((lin.x if prepared(precision).operand == "x" else lin.weight).shape[0]), tile) * tile
     y, flat_parts = torch.ops.fusepass.warp_specialized_linear(
-        lin.x, lin.weight, lin.bias, scale.tensor, scale.value, training, split,
-        0 if config.split_in_kernel else whole, config.block_k, config.num_stages)
+        lin.x, lin.weight, lin.bias, scale.tensor, scale.value, training, precision,
+        0 if config.split_in_kernel else whole, config.block_n, config.block_k, config.num_stages)
     if not training:
         out, stats = normalize_linear_output(y, args, out=_output_buffer(y, args))
         return _outputs(args, out, stats, y)
-    part_rows = warp_specialized_gemm.rows_per_part(split)
+    part_rows = warp_specialized_gemm.rows_per_part(precision, config.block_n)
     parts = Partials(flat_parts, ceil_div(lin.x.shape[0], part_rows), part_rows)
     stats = Statistics.allocate(args.n_features, lin.x.device, args.batch_norm)
     out = _output_buffer(y, args)

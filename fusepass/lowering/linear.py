@@ -24,7 +24,7 @@ from torch import Tensor
 
 from fusepass.lowering import gemm, gemm_configs, limits, tuning, warp_specialized_gemm
 from fusepass.lowering.choice import cublas_traceable, gemm_option, matmul_precision, triton_configs
-from fusepass.lowering.gemm_precisions import PRE_SPLIT, prepared, prepared_variant, prepares
+from fusepass.lowering.gemm_precisions import prepared, prepared_variant, prepares, preparing_weight
 from fusepass.lowering.implementations import cublas_precision, gemm_unlaunchable
 from fusepass.lowering.launch import hint, stored
 from fusepass.lowering.schema import FLOAT16_DTYPES, KernelOptions, Linear
@@ -76,10 +76,10 @@ class LinearImplementation:
             with cublas_precision(self.precision):
                 return _library_linear(x, weight, bias, _out_dtype(call))
         if self.config.warp_specialized:
-            split = prepared(self.precision).operand
-            rows = _warp_specialized_block_rows(Linear(x, weight, bias), split, self.config)
-            y, _ = torch.ops.fusepass.warp_specialized_linear(x, weight, bias, None, 1.0, False, split, rows,
-                                                              self.config.block_k, self.config.num_stages)
+            rows = _warp_specialized_block_rows(Linear(x, weight, bias), self.precision, self.config)
+            c = self.config
+            y, _ = torch.ops.fusepass.warp_specialized_linear(x, weight, bias, None, 1.0, False, self.precision, rows,
+                                                              c.block_n, c.block_k, c.num_stages)
             return y
         if self.k_major_copies:
             x, weight = _k_major_copy(x), _k_major_copy(weight)
@@ -151,14 +151,14 @@ def _block_rows(linear: Linear, precision: str, config: gemm_configs.GemmConfig,
                max(1, block_tiles // row_tiles) * config.block_n)
 
 
-def _warp_specialized_block_rows(linear: Linear, split: str, config: gemm_configs.GemmConfig) -> int:
-    """Rows of the split operand per launch of the warp-specialized GEMM: 0 where it splits in the kernel
-    (one launch); else run_in_blocks's for W, and for x the same rule with the roles swapped (the kernel
-    computes y^T = W @ x^T)."""
+def _warp_specialized_block_rows(linear: Linear, precision: str, config: gemm_configs.GemmConfig) -> int:
+    """Rows of the prepared operand per launch of the warp-specialized GEMM: 0 where it prepares it in the
+    kernel (one launch); else run_in_blocks's for W, and for x the same rule with the roles swapped (the
+    kernel computes y^T = W @ x^T)."""
     if config.split_in_kernel:
         return 0
-    swapped = linear if split == "weight" else Linear(linear.weight, linear.x, None)
-    return _block_rows(swapped, "split_w", config)
+    swapped = linear if prepared(precision).operand == "weight" else Linear(linear.weight, linear.x, None)
+    return _block_rows(swapped, preparing_weight(precision), config)
 
 
 def _copy_past_limit(call: LinearCall, precision: str, config: gemm_configs.GemmConfig) -> Optional[str]:
@@ -172,7 +172,7 @@ def _copy_past_limit(call: LinearCall, precision: str, config: gemm_configs.Gemm
         return None
     if config.warp_specialized:
         split_rows = min((x if how.operand == "x" else weight).shape[0],
-                         _warp_specialized_block_rows(Linear(x, weight, None), how.operand, config))
+                         _warp_specialized_block_rows(Linear(x, weight, None), precision, config))
     elif how.operand == "x":
         split_rows = x.shape[0]
     else:
@@ -274,8 +274,8 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
     3xTF32 split in registers made 39 (tools/tune_linear.py at 1024 x 8192 -> 8192 and 16384 x 4096 ->
     4096). The full search also times the precision itself, and the GEMM on K-major copies of the
     operands. With operand copies forbidden (kernel_operand_copies=False), neither: the precision itself
-    (on strided loads), and cuBLAS. In 3xTF32, also the warp-specialized Gluon kernel
-    (warp_specialized_gemm.py) splitting either operand, on an sm_90 GPU: in memory, and in the kernel,
+    (on strided loads), and cuBLAS. In TF32 and 3xTF32, also the warp-specialized Gluon kernel
+    (warp_specialized_gemm.py) preparing either operand, on an sm_90 GPU: in memory, and in the kernel,
     which copies nothing and so is offered with copies forbidden too."""
     x, weight = call.x, call.weight
     m, k, n = _gemm_sizes(call, problem)
@@ -292,8 +292,7 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
             precisions = [precision, variant] if k_major else [variant] + ([precision] if search == "full" else [])
         found += [LinearImplementation(p, config) for p, config in
                   triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
-        if variant in PRE_SPLIT:
-            found += [LinearImplementation(split, config) for split, config in warp_specialized_gemm.candidates(copies)]
+        found += [LinearImplementation(p, config) for p, config in warp_specialized_gemm.candidates(precision, copies)]
         if not k_major and search == "full" and copies:
             found.append(LinearImplementation(precision, gemm_configs.candidates(precision, x.dtype)[0], True))
         found = [impl for impl in found if impl.unlaunchable(call) is None]

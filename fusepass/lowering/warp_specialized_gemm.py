@@ -1,15 +1,18 @@
-"""A warp-specialized 3xTF32 GEMM for Hopper, in Gluon: y = x @ W^T in fp32 from tf32 hi + lo halves of both
-operands. The kernel computes out = a @ b^T: b = W (split_w, out = y) or b = x (split_x, out = y^T = W @ x^T,
-stored through y's transposed strides). a's tile is split in registers, read K-major or MN-major (a
+"""A warp-specialized TF32 and 3xTF32 GEMM for Hopper, in Gluon: y = x @ W^T in fp32 from tf32 parts of both
+operands, in the precision that prepares one of them (gemm_precisions.PREPARED): 3xTF32 from hi + lo halves
+(split_w, split_x), TF32 from operands rounded to nearest tf32 (round_w, round_x). The kernel computes
+out = a @ b^T: b = W (split_w, round_w; out = y) or b = x (split_x, round_x; out = y^T = W @ x^T, stored
+through y's transposed strides). a's tile is split (rounded) in registers, read K-major or MN-major (a
 transposed view: TMA loads the tile of a^T) from shared memory. wgmma reads its second operand from shared
-memory only, and tf32 there K-major only, so b is split one of two ways (the config's `split_in_kernel`):
-- in memory (split_tf32, in blocks of rows that bound the copies): TMA loads hi's and lo's tiles;
+memory only, and tf32 there K-major only, so b is split (rounded) one of two ways (the config's
+`split_in_kernel`):
+- in memory (split_tf32 or round_tf32, in blocks of rows that bound the copies): TMA loads its parts' tiles;
 - in the kernel, nothing copied: TMA loads b's tile as it lies (K-major, or MN-major: the tile of b^T),
-  and each consumer warpgroup splits half of it into K-major hi and lo tiles in shared memory, one K block
-  ahead of its wgmmas. It costs shared-memory bandwidth (the split's reads and writes beside the wgmmas'):
-  on an H100, over the forward's, dX's and dW's layouts, 113-127 TFLOP/s at 1024 x 8192 -> 8192 and
-  102-117 at 16384 x 4096 -> 4096, against 104-128 and 114-128 split in memory, the split's pass
-  included (another run on that GPU); the tuners time both.
+  and each consumer warpgroup splits half of it into K-major hi and lo tiles (rounds it into a K-major hi
+  tile) in shared memory, one K block ahead of its wgmmas. It costs shared-memory bandwidth (the split's
+  reads and writes beside the wgmmas'): in 3xTF32 on an H100, over the forward's, dX's and dW's layouts,
+  113-127 TFLOP/s at 1024 x 8192 -> 8192 and 102-117 at 16384 x 4096 -> 4096, against 104-128 and
+  114-128 split in memory, the split's pass included (another run on that GPU); the tuners time both.
 So a weight gradient, g^T @ x, whose operands are both transposed views, and an input gradient, g @ W,
 run without copying the operand that is not split, or, split in the kernel, either.
 
@@ -31,9 +34,9 @@ from torch import Tensor
 
 from fusepass.lowering import limits
 from fusepass.lowering.gemm_configs import GemmConfig
-from fusepass.lowering.gemm_precisions import PRE_SPLIT
+from fusepass.lowering.gemm_precisions import PREPARED, prepared, variants
 from fusepass.lowering.launch import ceil_div
-from fusepass.lowering.tf32_split import split_tf32
+from fusepass.lowering.tf32_split import round_tf32, split_tf32
 from fusepass.lowering.tiles import SCALE_NUMBER, SCALE_PER_FEATURE, scale_mode
 from fusepass.lowering.warp_specialized_kernels import B_K_MAJOR, B_MN_MAJOR, B_SPLIT_IN_MEMORY, gemm_kernel, gluon
 
@@ -42,51 +45,66 @@ if gluon is not None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 OP_NAME = "fusepass::warp_specialized_linear"
-CONSUMER_REGISTERS = 232  # per thread of a consumer warpgroup: two 64 x 128 fp32 accumulators and the split tile
+# Per thread of a consumer warpgroup: 3xTF32's two 64 x 128 fp32 accumulators and the split tile, or TF32's
+# one 64 x 256 accumulator
+CONSUMER_REGISTERS = 232
 LOADER_REGISTERS = 40
 GROUP_M = 8
-TILE = 128  # output tile rows (two consumer warpgroups of 64) and columns (one wgmma's N)
-# The kernel's configs, the linear op's candidates. The split operand split in memory (H100, W already split):
-# 130-134 TFLOP/s at 32-wide K blocks in 4 stages, 129-136 at 64 in 2, depending on the shape. Split in the
-# kernel (above), 32-wide K blocks only: at 64, an MN-major b's tile leaves room for one stage.
-CONFIGS = [GemmConfig(TILE, TILE, 32, GROUP_M, 4, 4, warp_specialized=True),
-           GemmConfig(TILE, TILE, 64, GROUP_M, 4, 2, warp_specialized=True),
-           GemmConfig(TILE, TILE, 32, GROUP_M, 4, 4, warp_specialized=True, split_in_kernel=True)]
+BLOCK_M = 128  # output tile rows: two consumer warpgroups of 64; its columns (one wgmma's N) are the config's
+# The kernel's 3xTF32 configs, 128 columns (two accumulators). The split operand split in memory (H100, W
+# already split): 130-134 TFLOP/s at 32-wide K blocks in 4 stages, 129-136 at 64 in 2, depending on the
+# shape. Split in the kernel (above), 32-wide K blocks only: at 64, an MN-major b's tile leaves room for one
+# stage.
+CONFIGS = [GemmConfig(BLOCK_M, 128, 32, GROUP_M, 4, 4, warp_specialized=True),
+           GemmConfig(BLOCK_M, 128, 64, GROUP_M, 4, 2, warp_specialized=True),
+           GemmConfig(BLOCK_M, 128, 32, GROUP_M, 4, 4, warp_specialized=True, split_in_kernel=True)]
+# TF32's: one product, one accumulator, so 256 columns. Rounded in memory, b's tile alone (H200, the kernel
+# alone): 0.89-0.95x cuBLAS TF32 at 1024 x 8192 -> 8192, 16384 x 4096 -> 4096, 4096 x 1024 -> 4096 and
+# 4096^2 (round_x), against 0.72-0.79x on 128 columns (as 3xTF32's tiles) and 0.61-0.69x with one K block's
+# wgmmas left running while the next block's are issued; 128 columns where N is small (4096 x 4096 -> 256:
+# 0.73x against 0.52x).
+ROUNDED_CONFIGS = [GemmConfig(BLOCK_M, 256, 32, GROUP_M, 4, 4, warp_specialized=True),
+                   GemmConfig(BLOCK_M, 128, 32, GROUP_M, 4, 4, warp_specialized=True),
+                   GemmConfig(BLOCK_M, 256, 32, GROUP_M, 4, 4, warp_specialized=True, split_in_kernel=True),
+                   GemmConfig(BLOCK_M, 128, 32, GROUP_M, 4, 6, warp_specialized=True, split_in_kernel=True)]
 # The stages' buffers the configs were measured with (a's tile, hi and lo: 4 x 48 KiB at 32-wide K blocks),
 # below the 227 KiB an sm_90 block may use, with room for the epilogue's reductions.
-SHARED_MEMORY_BYTES = 4 * 3 * TILE * 32 * 4
+SHARED_MEMORY_BYTES = 4 * 3 * 128 * 32 * 4
 
 
-SPLIT_OPERANDS = ("weight", "x")  # which operand of x @ W^T is b, the one split in memory or in the kernel
-# What the tuners are offered: each precision that splits an operand with each config
-CANDIDATES = [(precision, config) for precision in PRE_SPLIT for config in CONFIGS]
+# What the tuners are offered: each precision that prepares an operand with its configs
+CANDIDATES = [(precision, config) for precision, how in PREPARED.items()
+              for config in (CONFIGS if how.parts == 2 else ROUNDED_CONFIGS)]
 
 
-def candidates(operand_copies: bool) -> list[tuple[str, GemmConfig]]:
-    """CANDIDATES, with operand copies forbidden only those that split in the kernel (they copy nothing)."""
-    return [(precision, config) for precision, config in CANDIDATES if operand_copies or config.split_in_kernel]
+def candidates(precision: str, operand_copies: bool) -> list[tuple[str, GemmConfig]]:
+    """CANDIDATES of a matmul precision ("tf32" or "tf32x3"; none for others), with operand copies forbidden
+    only those that split in the kernel (they copy nothing)."""
+    return [(p, config) for p, config in CANDIDATES
+            if p in variants(precision) and (operand_copies or config.split_in_kernel)]
 
 
-def unlaunchable(x: Tensor, weight: Tensor, out_dtype: torch.dtype, split: str = "weight",
+def unlaunchable(x: Tensor, weight: Tensor, out_dtype: torch.dtype, precision: str = "split_w",
                  config: GemmConfig = CONFIGS[0]) -> Optional[str]:
-    """Why x @ weight^T (+ bias) with `split` (b) split as `config` splits it cannot run on this kernel, or
-    None: it needs Gluon, an sm_90 GPU (wgmma), fp32 operands and output, a K of at least one, operands K-major
-    or MN-major as TMA reads them (b split in memory: a only; the split makes b's halves row-major), and shared
-    memory for two stages (stages_that_fit)."""
+    """Why x @ weight^T (+ bias) in `precision` (the operand it prepares is b) made as `config` makes it
+    cannot run on this kernel, or None: it needs Gluon, an sm_90 GPU (wgmma), fp32 operands and output, a K of
+    at least one, operands K-major or MN-major as TMA reads them (b prepared in memory: a only; the copies are
+    row-major), and shared memory for two stages (stages_that_fit)."""
     if gluon is None:
         return "this Triton has no Gluon"
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
         return "the warp-specialized GEMM is Hopper's (sm_90 wgmma)"
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or out_dtype != torch.float32:
-        return "the warp-specialized GEMM is fp32's (3xTF32)"
+        return "the warp-specialized GEMM is fp32's (TF32, 3xTF32)"
     if x.shape[1] == 0:  # (its consumers would wait for a first K block that never comes)
         return "a product over no columns"
-    a, b = (x, weight) if split == "weight" else (weight, x)
+    how = prepared(precision)
+    a, b = (x, weight) if how.operand == "weight" else (weight, x)
     for operand in (a, b) if config.split_in_kernel else (a,):
         k_major = limits.tma_layout(operand)
         if k_major and limits.tma_layout(operand.t()):
             return f"{k_major}, nor does its transpose"
-    if stages_that_fit(config.block_k, config.num_stages, b_mode(b, config)) < 2:
+    if stages_that_fit(config, b_mode(b, config), how.parts) < 2:
         return f"an MN-major operand split in K blocks of {config.block_k} leaves shared memory for one stage"
     return None
 
@@ -100,22 +118,23 @@ def _raw_mode(b: Tensor) -> int:
     return (B_K_MAJOR if limits.k_major(b) else B_MN_MAJOR).value
 
 
-def stages_that_fit(block_k: int, stages: int, mode: int) -> int:
-    """The config's stages, or fewer where b's raw tile needs a buffer of its own: split in memory its
-    halves are loaded, a K-major tile is split in place (hi over it), an MN-major one beside it."""
-    tile_bytes = TILE * block_k * 4
-    per_stage = tile_bytes * (4 if mode == B_MN_MAJOR.value else 3)  # a's tile, hi, lo (and b's raw tile)
-    return min(stages, SHARED_MEMORY_BYTES // per_stage)
+def stages_that_fit(config: GemmConfig, mode: int, parts: int) -> int:
+    """The config's stages, or fewer where b's tiles take more: a's tile, b's `parts` (hi and lo, or hi), and
+    b's raw tile where it needs a buffer of its own: prepared in memory its parts are loaded, a K-major tile
+    is split in place (hi over it), an MN-major one beside it."""
+    b_tiles = parts + (mode == B_MN_MAJOR.value)
+    per_stage = (config.block_m + b_tiles * config.block_n) * config.block_k * 4
+    return min(config.num_stages, SHARED_MEMORY_BYTES // per_stage)
 
 
-def _descriptor(t: Tensor, k: int, block_k: int) -> "TensorDescriptor":
-    """TMA's view of t's first k columns (rows, k) in TILE x block_k tiles where t is K-major, else of its
-    transpose (k, rows) in block_k x TILE tiles (limits.k_major, as limits.tma_layout reads it)."""
+def _descriptor(t: Tensor, k: int, block_rows: int, block_k: int) -> "TensorDescriptor":
+    """TMA's view of t's first k columns (rows, k) in block_rows x block_k tiles where t is K-major, else of
+    its transpose (k, rows) in block_k x block_rows tiles (limits.k_major, as limits.tma_layout reads it)."""
     rows = t.shape[0]
     if limits.k_major(t):
-        shape, block = [rows, k], (TILE, block_k)
+        shape, block = [rows, k], (block_rows, block_k)
     else:
-        t, shape, block = t.t(), [k, rows], (block_k, TILE)
+        t, shape, block = t.t(), [k, rows], (block_k, block_rows)
     return TensorDescriptor(t, shape, [t.stride(0), 1], list(block), _shared_layout(block))
 
 
@@ -142,72 +161,84 @@ class Epilogue:
     m2_offset: int = 0
 
 
-def gemm_into(out: Tensor, a: Tensor, b: Tensor, block_k: int, stages: int, transposed: bool = False,
-              epilogue: Epilogue = Epilogue(), b_lo: Optional[Tensor] = None) -> None:
-    """out = a @ b^T in TILE x TILE tiles; out of any strides, a K-major or else MN-major; b raw (split in the
-    kernel; K-major or else MN-major), or with `b_lo` b's hi (split_tf32's buffers: their first K columns);
-    `transposed`: out is y^T (its rows are y's features)."""
+def gemm_into(out: Tensor, a: Tensor, b: Tensor, config: GemmConfig, parts: int, transposed: bool = False,
+              epilogue: Epilogue = Epilogue(), b_prepared: bool = False, b_lo: Optional[Tensor] = None) -> None:
+    """out = a @ b^T in config's tiles (its block_n, block_k and stages) from `parts` tf32 parts of each
+    operand (2: 3xTF32; 1: TF32); out of any strides, a K-major or else MN-major; b raw (split in the kernel;
+    K-major or else MN-major), or `b_prepared`: b's hi, with `b_lo` its lo in 3xTF32 (split_tf32's or
+    round_tf32's buffers: their first K columns); `transposed`: out is y^T (its rows are y's features)."""
+    if b_prepared and (b_lo is not None) != (parts == 2):
+        raise ValueError(f"warp-specialized GEMM: b prepared in {parts} parts needs {parts - 1} lo")
     (m, k), n = a.shape, b.shape[0]
-    a_desc, b_desc = _descriptor(a, k, block_k), _descriptor(b, k, block_k)
-    mode = _raw_mode(b) if b_lo is None else B_SPLIT_IN_MEMORY.value
-    lo_desc = b_desc if b_lo is None else _descriptor(b_lo, k, block_k)  # (not read where b is raw)
-    grid = (ceil_div(m, TILE) * ceil_div(n, TILE),)
+    block_n, block_k = config.block_n, config.block_k
+    a_desc, b_desc = _descriptor(a, k, BLOCK_M, block_k), _descriptor(b, k, block_n, block_k)
+    mode = B_SPLIT_IN_MEMORY.value if b_prepared else _raw_mode(b)
+    lo_desc = b_desc if b_lo is None else _descriptor(b_lo, k, block_n, block_k)  # (read only for a lo in memory)
+    grid = (ceil_div(m, BLOCK_M) * ceil_div(n, block_n),)
     e = epilogue
     gemm_kernel[grid](
         a_desc, b_desc, lo_desc,
         out, *(t if t is not None else out for t in (e.bias, e.scale, e.parts)),
         m, n, k, out.stride(0), out.stride(1), e.part_stride, e.m2_offset,
         e.scale_value,
-        BLOCK_M=TILE, A_K_MAJOR=limits.k_major(a), B_MODE=mode, HALF_LAYOUT=_shared_layout((TILE, block_k)),
+        BLOCK_M=BLOCK_M, A_K_MAJOR=limits.k_major(a), B_MODE=mode, PARTS=parts,
+        HALF_LAYOUT=_shared_layout((block_n, block_k)),
         STATISTICS=e.parts is not None, TRANSPOSED=transposed, HAS_BIAS=e.bias is not None,
         SCALE_MODE=scale_mode(e.scale) if e.parts is not None else SCALE_NUMBER.value,
-        STAGES=stages_that_fit(block_k, stages, mode), GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGISTERS,
+        STAGES=stages_that_fit(config, mode, parts), GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGISTERS,
         LOADER_REGS=LOADER_REGISTERS, num_warps=4)
 
 
-def rows_per_part(split: str) -> int:
+def rows_per_part(precision: str, block_n: int) -> int:
     """The batch's rows each part of the statistics covers: a consumer's rows of y's tile, or, y^T's tile
-    computed (split x), its columns."""
-    return TILE // 2 if split == "weight" else TILE
+    computed (x prepared), its columns."""
+    return BLOCK_M // 2 if prepared(precision).operand == "weight" else block_n
 
 
 def warp_specialized_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale: Optional[Tensor],
-                            scale_value: float, statistics: bool, split: str, block_rows: int, block_k: int,
-                            stages: int) -> tuple[Tensor, Tensor]:
-    """(y, parts): y = x @ weight^T + bias, `split` ("weight" or "x") the operand split into tf32 halves:
-    in the kernel's shared memory, one launch (block_rows 0), or in memory block_rows rows at a time (the
-    linear op's bound on its copies; with statistics of split x, whole parts), a launch per block. W's rows
-    make columns of y, x's rows make rows of y, written as columns of y^T = W @ x^T. With `statistics`,
-    parts holds the per-feature means and M2s of z = y * scale (the tensor, else scale_value) over each
-    rows_per_part(split) rows of the batch (normalize.Partials' flat layout); else it is empty."""
-    if split not in SPLIT_OPERANDS or block_rows < 0 or (statistics and split == "x"
-                                                         and block_rows % rows_per_part(split)):
-        raise ValueError(f"warp_specialized_linear: split {split!r} in blocks of {block_rows} rows")
+                            scale_value: float, statistics: bool, precision: str, block_rows: int, block_n: int,
+                            block_k: int, stages: int) -> tuple[Tensor, Tensor]:
+    """(y, parts): y = x @ weight^T + bias in `precision` (split_w, split_x, round_w, round_x), its operand
+    split into tf32 halves or rounded to tf32: in the kernel's shared memory, one launch (block_rows 0), or in
+    memory block_rows rows at a time (the linear op's bound on its copies; with statistics of x prepared,
+    whole parts), a launch per block; in tiles of block_n columns of the product and K blocks of block_k, in
+    `stages`. W's rows make columns of y, x's rows make rows of y, written as columns of y^T = W @ x^T. With
+    `statistics`, parts holds the per-feature means and M2s of z = y * scale (the tensor, else scale_value)
+    over each rows_per_part(precision, block_n) rows of the batch (normalize.Partials' flat layout); else it
+    is empty."""
+    how = prepared(precision)
+    if how is None or block_rows < 0 or (statistics and how.operand == "x"
+                                         and block_rows % rows_per_part(precision, block_n)):
+        raise ValueError(f"warp_specialized_linear: {precision!r} in blocks of {block_rows} rows")
+    config = GemmConfig(BLOCK_M, block_n, block_k, GROUP_M, 4, stages, warp_specialized=True)
     m, f = x.shape[0], weight.shape[0]
     y = torch.empty((m, f), device=x.device, dtype=torch.float32)
-    n_parts = ceil_div(m, rows_per_part(split))
+    n_parts = ceil_div(m, rows_per_part(precision, block_n))
     parts = torch.empty(2 * n_parts * f if statistics else 0, device=x.device, dtype=torch.float32)
-    a, b, out = (x, weight, y) if split == "weight" else (weight, x, y.t())
+    transposed = how.operand == "x"
+    a, b, out = (weight, x, y.t()) if transposed else (x, weight, y)
     if block_rows == 0:
         epilogue = Epilogue(bias, scale, scale_value, parts if statistics else None, f, n_parts * f)
-        gemm_into(out, a, b, block_k, stages, split == "x", epilogue)
+        gemm_into(out, a, b, config, how.parts, transposed, epilogue)
         return y, parts
     for r0 in range(0, b.shape[0], block_rows):
-        hi, lo = split_tf32(b[r0:r0 + block_rows])
-        epilogue = _block_epilogue(split, r0, bias, scale, scale_value, parts if statistics else None, n_parts * f, f)
-        gemm_into(out[:, r0:], a, hi, block_k, stages, split == "x", epilogue, b_lo=lo)
-        del hi, lo  # before the next block's split is made: one block's copies at a time
+        hi, lo = split_tf32(b[r0:r0 + block_rows]) if how.parts == 2 else (round_tf32(b[r0:r0 + block_rows]), None)
+        epilogue = _block_epilogue(precision, r0, rows_per_part(precision, block_n), bias, scale, scale_value,
+                                   parts if statistics else None, n_parts * f, f)
+        gemm_into(out[:, r0:], a, hi, config, how.parts, transposed, epilogue, b_prepared=True, b_lo=lo)
+        del hi, lo  # before the next block's parts are made: one block's copies at a time
     return y, parts
 
 
-def _block_epilogue(split: str, r0: int, bias: Optional[Tensor], scale: Optional[Tensor], scale_value: float,
-                    parts: Optional[Tensor], m2_offset: int, n_features: int) -> Epilogue:
-    """The epilogue's tensors from the block's first feature (a block of W's rows) or part (of x's rows)."""
-    if split == "weight":
+def _block_epilogue(precision: str, r0: int, part_rows: int, bias: Optional[Tensor], scale: Optional[Tensor],
+                    scale_value: float, parts: Optional[Tensor], m2_offset: int, n_features: int) -> Epilogue:
+    """The epilogue's tensors from the block's first feature (a block of W's rows) or part (of x's rows, each
+    part of part_rows)."""
+    if prepared(precision).operand == "weight":
         per_feature_scale = scale is not None and scale_mode(scale) == SCALE_PER_FEATURE.value
         return Epilogue(bias[r0:] if bias is not None else None, scale[r0:] if per_feature_scale else scale,
                         scale_value, parts[r0:] if parts is not None else None, n_features, m2_offset)
-    part0 = r0 // rows_per_part(split)
+    part0 = r0 // part_rows
     return Epilogue(bias, scale, scale_value, parts[part0 * n_features:] if parts is not None else None,
                     n_features, m2_offset)
 
@@ -218,13 +249,15 @@ def _block_epilogue(split: str, r0: int, bias: Optional[Tensor], scale: Optional
 # defined here, 14 for the body alone).
 _LIBRARY = torch.library.Library("fusepass", "FRAGMENT")
 _LIBRARY.define(OP_NAME.split("::")[1] + "(Tensor x, Tensor weight, Tensor? bias, Tensor? scale, float scale_value, "
-                "bool statistics, str split, SymInt block_rows, SymInt block_k, SymInt stages) -> (Tensor, Tensor)")
+                "bool statistics, str precision, SymInt block_rows, SymInt block_n, SymInt block_k, SymInt stages) "
+                "-> (Tensor, Tensor)")
 _LIBRARY.impl(OP_NAME.split("::")[1], warp_specialized_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake(OP_NAME, lib=_LIBRARY)
 def _fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale: Optional[Tensor], scale_value: float,
-          statistics: bool, split: str, block_rows: int, block_k: int, stages: int) -> tuple[Tensor, Tensor]:
+          statistics: bool, precision: str, block_rows: int, block_n: int, block_k: int,
+          stages: int) -> tuple[Tensor, Tensor]:
     m, f = x.shape[0], weight.shape[0]
-    n_parts = ceil_div(m, rows_per_part(split))
+    n_parts = ceil_div(m, rows_per_part(precision, block_n))
     return x.new_empty((m, f)), x.new_empty((2 * n_parts * f if statistics else 0,))

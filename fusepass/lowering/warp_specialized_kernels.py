@@ -1,6 +1,7 @@
-"""The warp-specialized 3xTF32 GEMM's Gluon kernel (warp_specialized_gemm.py launches it): out = a @ b^T
-from tf32 hi + lo halves, a's split in registers, b's split in memory or, one K block ahead, in shared
-memory by the consumers.
+"""The warp-specialized TF32 and 3xTF32 GEMM's Gluon kernel (warp_specialized_gemm.py launches it): out =
+a @ b^T from tf32 parts of both operands (PARTS): hi + lo halves, three products (3xTF32), or hi alone,
+each operand rounded to nearest, one product (TF32). a's parts are made in registers, b's in memory or,
+one K block ahead, in shared memory by the consumers.
 
 Why Gluon: each K block's three tf32 products go into a fresh accumulator that is added to the running
 sum in fp32 (gemm._three_pass_dot: the tensor cores' own accumulation truncates), and that add must wait
@@ -12,6 +13,10 @@ the tensor cores. Measured on an H100 with W already split in memory: 130-136 TF
 16384 x 4096 -> 4096 and 4096 x 4096 -> 4096, against 96-108 for the same math with one warpgroup pair in
 lockstep (1024 x 8192 -> 8192: 1.027 against 1.268 ms); with the split in the linear op's blocks,
 BENCHMARKS.md "GEMM alone".
+
+TF32 needs no fresh accumulator (its one product accumulates as cuBLAS's and tl.dot's do); it is here for
+the same pipeline: the loader warp and two consumer warpgroups out of lockstep, so that one's rounding of
+its `a` tile in registers runs while the other's wgmmas hold the tensor cores.
 
 Its epilogue adds the bias and, for a training chain's forward, stores the batch statistics' partials as
 the Triton GEMM's EPILOGUE_STATISTICS does (per feature, the mean and M2 of z = y * scale over each part
@@ -53,15 +58,16 @@ if gluon is not None:
 
     @gluon.jit
     def _loader(a_desc, b_desc, lo_desc, a_bufs, b_bufs, lo_bufs, ready, empty, off_m, off_n, k_steps,
-                STAGES: gl.constexpr, A_K_MAJOR: gl.constexpr, B_MODE: gl.constexpr):
+                STAGES: gl.constexpr, A_K_MAJOR: gl.constexpr, B_MODE: gl.constexpr, PARTS: gl.constexpr):
         """Fills stage after stage once both consumers have released it (empty), with a's tile and b's (its
-        raw tile, or its halves split in memory: hi into b_bufs, lo into lo_bufs)."""
+        raw tile, or its parts made in memory: hi into b_bufs, lo into lo_bufs)."""
+        LOADS_LO: gl.constexpr = B_MODE == B_SPLIT_IN_MEMORY and PARTS == 2
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1] if A_K_MAJOR else a_desc.block_type.shape[0]
         for i in range(k_steps):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            b_bytes: gl.constexpr = b_desc.block_type.nbytes * (2 if B_MODE == B_SPLIT_IN_MEMORY else 1)
+            b_bytes: gl.constexpr = b_desc.block_type.nbytes * (2 if LOADS_LO else 1)
             mbarrier.expect(bar, a_desc.block_type.nbytes + b_bytes)
             if A_K_MAJOR:
                 _tma_load(a_desc, [off_m, i * BLOCK_K], bar, a_bufs.index(s))
@@ -71,36 +77,38 @@ if gluon is not None:
                 _tma_load(b_desc, [i * BLOCK_K, off_n], bar, b_bufs.index(s))
             else:
                 _tma_load(b_desc, [off_n, i * BLOCK_K], bar, b_bufs.index(s))
-            if B_MODE == B_SPLIT_IN_MEMORY:
+            if LOADS_LO:
                 _tma_load(lo_desc, [off_n, i * BLOCK_K], bar, lo_bufs.index(s))
 
     @gluon.jit
     def _split_b_half(b_tile, hi_tile, lo_tile, ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_K: gl.constexpr,
-                      B_MODE: gl.constexpr):
-        """This consumer's half of b's tile (ROWS of its BLOCK_N rows from ROW0) into tf32 hi and lo, K-major:
-        from a K-major tile (hi over it, each thread writing what it read), or from an MN-major one, each
-        thread reading four consecutive K of one row (a warp's reads: 32 consecutive rows, 128 bytes) to
-        store them as one 16-byte vector."""
+                      B_MODE: gl.constexpr, PARTS: gl.constexpr):
+        """This consumer's half of b's tile (ROWS of its rows from ROW0) into its tf32 parts (hi and
+        lo, or hi alone), K-major: from a K-major tile (hi over it, each thread writing what it read), or from
+        an MN-major one, each thread reading four consecutive K of one row (a warp's reads: 32 consecutive
+        rows, 128 bytes) to store them as one 16-byte vector."""
         if B_MODE == B_K_MAJOR:
             layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // BLOCK_K, BLOCK_K // 4], [4, 1], [1, 0])
             hi, lo = _tf32_split(b_tile.slice(ROW0, ROWS).load(layout))
             hi_tile.slice(ROW0, ROWS).store(hi)
-            lo_tile.slice(ROW0, ROWS).store(lo)
+            if PARTS == 2:
+                lo_tile.slice(ROW0, ROWS).store(lo)
         else:
             layout: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [4, 1], [0, 1])
             hi, lo = _tf32_split(b_tile.slice(ROW0, ROWS, dim=1).load(layout))
             hi_tile.slice(ROW0, ROWS).permute((1, 0)).store(hi)
-            lo_tile.slice(ROW0, ROWS).permute((1, 0)).store(lo)
+            if PARTS == 2:
+                lo_tile.slice(ROW0, ROWS).permute((1, 0)).store(lo)
 
     @gluon.jit
     def _split_stage(b_bufs, hi_bufs, lo_bufs, ready, split_done, i, ROW0: gl.constexpr, ROWS: gl.constexpr,
-                     BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_MODE: gl.constexpr):
+                     BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_MODE: gl.constexpr, PARTS: gl.constexpr):
         """This consumer's half of K block i's b tile split, once loaded, and announced (split_done). The
         stores are the generic proxy's and the wgmmas read through the async proxy: every thread fences its
         own, then one thread arrives for the warpgroup after all four warps have."""
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        _split_b_half(b_bufs.index(s), hi_bufs.index(s), lo_bufs.index(s), ROW0, ROWS, BLOCK_K, B_MODE)
+        _split_b_half(b_bufs.index(s), hi_bufs.index(s), lo_bufs.index(s), ROW0, ROWS, BLOCK_K, B_MODE, PARTS)
         fence_async_shared()
         _thread_barrier()
         mbarrier.arrive(split_done.index(s), count=1)
@@ -109,23 +117,27 @@ if gluon is not None:
     def _consumer(a_bufs, b_bufs, hi_bufs, lo_bufs, ready, split_done, empty, out_ptr, bias_ptr, scale_ptr,
                   parts_ptr, M, N, stride_om, stride_on, part_stride, m2_offset, scale_value, off_m, off_n,
                   k_steps, ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr, A_K_MAJOR: gl.constexpr, B_MODE: gl.constexpr,
+                  STAGES: gl.constexpr, A_K_MAJOR: gl.constexpr, B_MODE: gl.constexpr, PARTS: gl.constexpr,
                   STATISTICS: gl.constexpr, TRANSPOSED: gl.constexpr, HAS_BIAS: gl.constexpr,
                   SCALE_MODE: gl.constexpr):
         """ROWS rows of the output tile from ROW0: per K block, once both consumers have split their halves
-        of b's tile (split_done; b split in memory: once loaded), three wgmmas into a fresh accumulator;
-        while they run, this consumer's half of the next block's b tile is split; then the wgmmas are
-        waited for, the stage released and the block added in fp32. Then the epilogue. Splitting a block
-        ahead keeps the two consumers out of lockstep: one's split and add run while the other's wgmmas
-        hold the tensor cores (split in the same block, an H100 lost 15-20%)."""
+        of b's tile (split_done; b split in memory: once loaded), the block's wgmmas: in 3xTF32 three into a
+        fresh accumulator, in TF32 one into the running sum; while they run, this consumer's half of the
+        next block's b tile is split; then the wgmmas are waited for, the stage released and (3xTF32) the
+        block added in fp32. Then the epilogue. Splitting a block ahead keeps the two consumers out of
+        lockstep: one's split and add run while the other's wgmmas hold the tensor cores (split in the
+        same block, an H100 lost 15-20%)."""
         SPLIT: gl.constexpr = B_MODE != B_SPLIT_IN_MEMORY
+        B_ROWS: gl.constexpr = BLOCK_N // 2  # this consumer's half of b's tile, which it splits
+        B_ROW0: gl.constexpr = ROW0 // ROWS * B_ROWS
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 8])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=1)
         unused = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)  # use_acc=False ignores it
         acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
         if SPLIT:
-            _split_stage(b_bufs, hi_bufs, lo_bufs, ready, split_done, 0, ROW0, ROWS, BLOCK_K, STAGES, B_MODE)
+            _split_stage(b_bufs, hi_bufs, lo_bufs, ready, split_done, 0, B_ROW0, B_ROWS, BLOCK_K, STAGES, B_MODE,
+                         PARTS)
         for i in range(k_steps):
             s = i % STAGES
             if not SPLIT:  # (splitting, this block's _split_stage waited)
@@ -138,16 +150,22 @@ if gluon is not None:
             b_hi = hi_bufs.index(s).permute((1, 0))
             if SPLIT:
                 mbarrier.wait(split_done.index(s), (i // STAGES) & 1)
-            block = warpgroup_mma(a_lo, b_hi, unused, use_acc=False, is_async=True)
-            block = warpgroup_mma(a_hi, lo_bufs.index(s).permute((1, 0)), block, is_async=True)
-            block = warpgroup_mma(a_hi, b_hi, block, is_async=True)
+            if PARTS == 2:
+                block = warpgroup_mma(a_lo, b_hi, unused, use_acc=False, is_async=True)
+                block = warpgroup_mma(a_hi, lo_bufs.index(s).permute((1, 0)), block, is_async=True)
+                block = warpgroup_mma(a_hi, b_hi, block, is_async=True)
+            else:
+                block = warpgroup_mma(a_hi, b_hi, acc, is_async=True)
             if SPLIT:
                 if i + 1 < k_steps:
-                    _split_stage(b_bufs, hi_bufs, lo_bufs, ready, split_done, i + 1, ROW0, ROWS, BLOCK_K, STAGES,
-                                 B_MODE)
+                    _split_stage(b_bufs, hi_bufs, lo_bufs, ready, split_done, i + 1, B_ROW0, B_ROWS, BLOCK_K,
+                                 STAGES, B_MODE, PARTS)
             block = warpgroup_mma_wait(0, deps=(block,))
             mbarrier.arrive(empty.index(s), count=1)
-            acc = acc + block
+            if PARTS == 2:
+                acc = acc + block
+            else:
+                acc = block
         rows = off_m + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout))
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
         if TRANSPOSED:  # y^T: the tile's rows are features, its columns the batch's rows
@@ -221,7 +239,8 @@ if gluon is not None:
         out_ptr, bias_ptr, scale_ptr, parts_ptr,  # pointers: out (M, N); per feature; the partials
         M, N, K, stride_om, stride_on, part_stride, m2_offset,  # sizes, strides
         scale_value,
-        BLOCK_M: gl.constexpr, A_K_MAJOR: gl.constexpr, B_MODE: gl.constexpr, HALF_LAYOUT: gl.constexpr,
+        BLOCK_M: gl.constexpr, A_K_MAJOR: gl.constexpr, B_MODE: gl.constexpr, PARTS: gl.constexpr,
+        HALF_LAYOUT: gl.constexpr,
         STATISTICS: gl.constexpr, TRANSPOSED: gl.constexpr, HAS_BIAS: gl.constexpr, SCALE_MODE: gl.constexpr,
         STAGES: gl.constexpr, GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     ):
@@ -238,7 +257,10 @@ if gluon is not None:
 
         a_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         hi_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, BLOCK_K], HALF_LAYOUT)
-        lo_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, BLOCK_K], HALF_LAYOUT)
+        if PARTS == 2:
+            lo_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, BLOCK_K], HALF_LAYOUT)
+        else:
+            lo_bufs = hi_bufs  # (never read)
         if B_MODE == B_MN_MAJOR:
             b_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         else:
@@ -255,14 +277,14 @@ if gluon is not None:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, hi_bufs, lo_bufs, ready, split_done, empty, out_ptr, bias_ptr, scale_ptr,
                          parts_ptr, M, N, stride_om, stride_on, part_stride, m2_offset, scale_value, off_m, off_n,
-                         k_steps, 0, rows, BLOCK_N, BLOCK_K, STAGES, A_K_MAJOR, B_MODE, STATISTICS, TRANSPOSED,
-                         HAS_BIAS, SCALE_MODE)),
+                         k_steps, 0, rows, BLOCK_N, BLOCK_K, STAGES, A_K_MAJOR, B_MODE, PARTS, STATISTICS,
+                         TRANSPOSED, HAS_BIAS, SCALE_MODE)),
             (_consumer, (a_bufs, b_bufs, hi_bufs, lo_bufs, ready, split_done, empty, out_ptr, bias_ptr, scale_ptr,
                          parts_ptr, M, N, stride_om, stride_on, part_stride, m2_offset, scale_value, off_m, off_n,
-                         k_steps, rows, rows, BLOCK_N, BLOCK_K, STAGES, A_K_MAJOR, B_MODE, STATISTICS,
+                         k_steps, rows, rows, BLOCK_N, BLOCK_K, STAGES, A_K_MAJOR, B_MODE, PARTS, STATISTICS,
                          TRANSPOSED, HAS_BIAS, SCALE_MODE)),
             (_loader, (a_desc, b_desc, lo_desc, a_bufs, b_bufs, lo_bufs, ready, empty, off_m, off_n, k_steps, STAGES,
-                       A_K_MAJOR, B_MODE)),
+                       A_K_MAJOR, B_MODE, PARTS)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 else:
     gemm_kernel = None  # never launched (warp_specialized_gemm.unlaunchable)

@@ -1,7 +1,8 @@
-"""The warp-specialized Gluon 3xTF32 GEMM (warp_specialized_gemm.py): it compiles for Hopper on a machine
-without one, is offered only where it can run, and on an H100/H200 is as exact as the Triton split_w GEMM
-at shapes that leave partial tiles in every dimension, alone, through the linear op and in a compiled
-graph. Gluon kernels have no interpreter: on CPU only their compilation and the op's plumbing are tested."""
+"""The warp-specialized Gluon TF32 / 3xTF32 GEMM (warp_specialized_gemm.py): it compiles for Hopper on a
+machine without one, is offered only where it can run, and on an H100/H200 is as exact as the Triton GEMM
+of the same precision (split_w, round_w) at shapes that leave partial tiles in every dimension, alone,
+through the linear op and in a compiled graph. Gluon kernels have no interpreter: on CPU only their
+compilation and the op's plumbing are tested."""
 
 import dataclasses
 import os
@@ -17,7 +18,7 @@ import triton
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fusepass.lowering import choice, gemm_configs, linear, warp_specialized_gemm
+from fusepass.lowering import choice, gemm_configs, gemm_precisions, linear, warp_specialized_gemm
 from fusepass.lowering import warp_specialized_kernels as kernels
 from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.launch import ceil_div
@@ -30,33 +31,47 @@ ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == 
 requires_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 # The kernel's modes for b, by the names the tests give them: split in memory, or a K-major or MN-major raw tile
 B_MODES = {"memory": kernels.B_SPLIT_IN_MEMORY, "K": kernels.B_K_MAJOR, "MN": kernels.B_MN_MAJOR}
+# Each precision with the Triton GEMM it is as exact as, and the bound on its error at the tests' shapes
+TRITON_TWIN = {2: ("split_w", 1e-6), 1: ("round_w", 1e-3)}
+# Each precision with its first config that prepares in memory and its first that prepares in the kernel
+IN_MEMORY_AND_IN_KERNEL = [next((p, c) for p, c in warp_specialized_gemm.CANDIDATES
+                                if p == precision and c.split_in_kernel == in_kernel)
+                           for precision in gemm_precisions.PREPARED for in_kernel in (False, True)]
 
 
-def _compile_for_hopper(a_k_major: bool, b_mode: str, statistics: bool, transposed: bool) -> str:
-    """The kernel's PTX for sm_90 (compiled to a cubin) with `a` K-major or MN-major and b split in memory
-    ("memory") or in the kernel from a K-major or MN-major tile ("K", "MN"), with or without the statistics
+def CASE_ID(value):
+    return value if isinstance(value, str) else value.describe()
+
+
+def _compile_for_hopper(a_k_major: bool, b_mode: str, statistics: bool, transposed: bool, parts: int) -> str:
+    """The kernel's PTX for sm_90 (compiled to a cubin) with `a` K-major or MN-major and b split (rounded) in
+    memory ("memory") or in the kernel from a K-major or MN-major tile ("K", "MN"), in `parts` tf32 parts
+    (the tiles of their first config: 3xTF32 128 columns, TF32 256), with or without the statistics
     epilogue (over y's tile or y^T's), as the compile-only script below prints it."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    def descriptor(k_major):
-        block = [128, 32] if k_major else [32, 128]
+    def descriptor(k_major, rows):
+        block = [rows, 32] if k_major else [32, rows]
         return f"tensordesc<fp32[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gl.float32)!r}>"
 
     mode = B_MODES[b_mode].value
-    signature = {"a_desc": descriptor(a_k_major), "b_desc": descriptor(b_mode != "MN"), "lo_desc": descriptor(True),
+    config = (warp_specialized_gemm.CONFIGS if parts == 2 else warp_specialized_gemm.ROUNDED_CONFIGS)[0]
+    block_n = config.block_n
+    signature = {"a_desc": descriptor(a_k_major, 128), "b_desc": descriptor(b_mode != "MN", block_n),
+                 "lo_desc": descriptor(True, block_n),
                  **{name: "*fp32" for name in ("out_ptr", "bias_ptr", "scale_ptr", "parts_ptr")},
                  **{name: "i32" for name in ("M", "N", "K", "stride_om", "stride_on", "part_stride", "m2_offset")},
                  "scale_value": "fp32",
-                 **{name: "constexpr" for name in ("BLOCK_M", "A_K_MAJOR", "B_MODE", "HALF_LAYOUT", "STATISTICS",
-                                                   "TRANSPOSED", "HAS_BIAS", "SCALE_MODE", "STAGES", "GROUP",
-                                                   "CONSUMER_REGS", "LOADER_REGS")}}
-    constexprs = dict(BLOCK_M=128, A_K_MAJOR=a_k_major, B_MODE=mode,
-                      HALF_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, 32], gl.float32),
+                 **{name: "constexpr" for name in ("BLOCK_M", "A_K_MAJOR", "B_MODE", "PARTS", "HALF_LAYOUT",
+                                                   "STATISTICS", "TRANSPOSED", "HAS_BIAS", "SCALE_MODE", "STAGES",
+                                                   "GROUP", "CONSUMER_REGS", "LOADER_REGS")}}
+    constexprs = dict(BLOCK_M=128, A_K_MAJOR=a_k_major, B_MODE=mode, PARTS=parts,
+                      HALF_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, 32], gl.float32),
                       STATISTICS=statistics, TRANSPOSED=transposed, HAS_BIAS=statistics, SCALE_MODE=2,
-                      STAGES=warp_specialized_gemm.stages_that_fit(32, 4, mode), GROUP=8, CONSUMER_REGS=232,
+                      STAGES=warp_specialized_gemm.stages_that_fit(config, mode, parts), GROUP=8, CONSUMER_REGS=232,
                       LOADER_REGS=40)
     compiled = triton_compile(GluonASTSource(kernels.gemm_kernel, signature, constexprs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -65,24 +80,26 @@ def _compile_for_hopper(a_k_major: bool, b_mode: str, statistics: bool, transpos
 
 
 @pytest.mark.skipif(kernels.gluon is None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("a_major, b_mode, epilogue", [("K", "memory", "store"), ("MN", "memory", "store"),
-                                                       ("K", "memory", "statistics"), ("K", "K", "store"),
-                                                       ("MN", "MN", "store"), ("MN", "K", "statistics_transposed")])
-def test_the_kernel_compiles_for_hopper_with_two_consumer_warpgroups(a_major, b_mode, epilogue):
+@pytest.mark.parametrize("a_major, b_mode, epilogue, parts", [
+    ("K", "memory", "store", 2), ("MN", "memory", "store", 2), ("K", "memory", "statistics", 2), ("K", "K", "store", 2),
+    ("MN", "MN", "store", 2), ("MN", "K", "statistics_transposed", 2),
+    ("K", "memory", "store", 1), ("MN", "MN", "statistics", 1), ("K", "K", "statistics_transposed", 1)])
+def test_the_kernel_compiles_for_hopper_with_two_consumer_warpgroups(a_major, b_mode, epilogue, parts):
     """In a process of its own, without TRITON_INTERPRET (test_compiles.py). Per consumer and K block of 32:
-    three products of four k=8 wgmmas each, waited for (level 0) by that consumer alone; setmaxnreg gives
-    the consumers their registers and takes them from the loader. Splitting b in the kernel, each consumer
+    three products (3xTF32; TF32 one) of four k=8 wgmmas each, waited for (level 0) by that consumer alone;
+    setmaxnreg gives the consumers their registers and takes them from the loader. Splitting b in the
+    kernel, each consumer
     fences its half of the split for the async proxy, the first block's before its loop and the next
     block's between its wgmmas' commit and their wait (split while they run); b split in memory, nothing
     is fenced, and a K-major `a` tile is read from shared memory with ldmatrix, an MN-major one (read
     transposed) without."""
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, __file__, a_major, b_mode, epilogue], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=root)
+    done = subprocess.run([sys.executable, __file__, a_major, b_mode, epilogue, str(parts)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=root)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     wgmmas, waits, raised, fences, split_under_wgmmas, ldmatrix = (int(v) for v in done.stdout.split()[-6:])
-    assert wgmmas == 2 * 3 * 4 and waits == 2 and raised >= 2, done.stdout
+    assert wgmmas == 2 * (3 if parts == 2 else 1) * 4 and waits == 2 and raised >= 2, done.stdout
     in_kernel = b_mode != "memory"
     assert fences == 2 * 2 * in_kernel and split_under_wgmmas == in_kernel, done.stdout
     if not in_kernel:  # (the split's reads of b may use ldmatrix too)
@@ -101,28 +118,40 @@ def test_offered_only_where_it_runs():
         assert warp_specialized_gemm.unlaunchable(mn_major, cuda[1], torch.float32) is None
         neither = torch.randn(8, 32, device="cuda")[:, ::2]
         in_memory, in_kernel = warp_specialized_gemm.CONFIGS[0], warp_specialized_gemm.CONFIGS[2]
-        assert "TMA" in warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "weight", in_memory)
+        assert "TMA" in warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "split_w", in_memory)
         # split in memory, b may lie as it will; split in the kernel, TMA reads it too
-        assert warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "x", in_memory) is None
-        assert "TMA" in warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "x", in_kernel)
+        assert warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "split_x", in_memory) is None
+        assert "TMA" in warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "split_x", in_kernel)
         mn_major_w = cuda[1].t().contiguous().t()
-        assert warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "weight", in_kernel) is None
+        assert warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "split_w", in_kernel) is None
         wide_k = dataclasses.replace(in_kernel, block_k=64, num_stages=2)
-        assert "one stage" in warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "weight", wide_k)
-        assert warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "x", wide_k) is None
+        assert "one stage" in warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "split_w", wide_k)
+        assert warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "split_x", wide_k) is None
+        # rounded, b's tile has no lo beside it: the wide K blocks fit two stages
+        assert warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "round_w", wide_k) is None
         no_k = torch.empty(8, 0, device="cuda"), torch.empty(4, 0, device="cuda")
-        assert "no columns" in warp_specialized_gemm.unlaunchable(*no_k, torch.float32, "weight", in_kernel)
-    call = linear.LinearCall(*((x.cuda(), w.cuda()) if ON_HOPPER else (x, w)), None, "tf32x3", "auto")
-    problem = linear.problem(call, traced=False)
-    names = list(linear.candidates(call, problem, traced=False))
-    assert any("warp-specialized" in n for n in names) == ON_HOPPER, names
+        assert "no columns" in warp_specialized_gemm.unlaunchable(*no_k, torch.float32, "split_w", in_kernel)
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    try:  # set and restored by hand (test_backend.py says why)
+        for tf32, variants in ((False, {"split_w", "split_x"}), (True, {"round_w", "round_x"})):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            call = linear.LinearCall(*((x.cuda(), w.cuda()) if ON_HOPPER else (x, w)), None, "tf32x3", "auto")
+            names = list(linear.candidates(call, linear.problem(call, traced=False), traced=False))
+            offered = {n.split()[1] for n in names if "warp-specialized" in n}
+            assert offered == (variants if ON_HOPPER else set()), names
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
-def test_with_operand_copies_forbidden_only_the_split_in_the_kernel_is_offered():
-    assert warp_specialized_gemm.candidates(True) == warp_specialized_gemm.CANDIDATES
-    forbidden = warp_specialized_gemm.candidates(False)
+@pytest.mark.parametrize("precision, variants", [("tf32x3", {"split_w", "split_x"}), ("tf32", {"round_w", "round_x"})])
+def test_with_operand_copies_forbidden_only_the_split_in_the_kernel_is_offered(precision, variants):
+    offered = warp_specialized_gemm.candidates(precision, True)
+    assert offered and {p for p, _ in offered} == variants
+    assert set(offered) < set(warp_specialized_gemm.CANDIDATES)
+    forbidden = warp_specialized_gemm.candidates(precision, False)
     assert forbidden and all(config.split_in_kernel for _, config in forbidden)
-    assert {precision for precision, _ in forbidden} == {"split_w", "split_x"}
+    assert {p for p, _ in forbidden} == variants
+    assert warp_specialized_gemm.candidates("native", True) == []
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -133,7 +162,7 @@ def test_a_small_chain_is_offered_it_on_hopper_under_cuda_graphs_only(training, 
     args = make_args(300, 64, 200, training=training, device="cuda" if ON_HOPPER else "cpu",
                      kernel=KernelOptions(cuda_graphs=cuda_graphs))
     names = list(choice.candidates(args, choice.problem(args, traced=False), traced=False))
-    offered = len(warp_specialized_gemm.CANDIDATES) if ON_HOPPER and cuda_graphs else 0
+    offered = len(warp_specialized_gemm.candidates("tf32x3", True)) if ON_HOPPER and cuda_graphs else 0
     assert sum("warp-specialized" in n for n in names) == offered, names
 
 
@@ -167,22 +196,23 @@ def test_a_matmul_heads_weight_is_offered_it_at_any_size(save_linear_out):
     assert not choice.warp_specialized_offered(args, 8)
 
 
-@pytest.mark.parametrize("split, part_rows", [("weight", 64), ("x", 128)])
-def test_the_ops_fake_is_an_fp32_product_with_its_partials(split, part_rows):
+@pytest.mark.parametrize("split, block_n, part_rows", [("split_w", 128, 64), ("split_x", 128, 128),
+                                                       ("round_w", 256, 64), ("round_x", 256, 256)])
+def test_the_ops_fake_is_an_fp32_product_with_its_partials(split, block_n, part_rows):
     with FakeTensorMode():
         x, w = torch.empty(300, 8), torch.empty(7, 8)
-        y, parts = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, split, 128, 32, 4)
-        _, none = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, False, split, 0, 32, 4)
+        y, parts = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, split, 256, block_n, 32, 4)
+        _, none = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, False, split, 0, block_n, 32, 4)
     assert y.shape == (300, 7) and y.dtype == torch.float32
     assert parts.shape == (2 * -(-300 // part_rows) * 7,) and none.shape == (0,)
 
 
-@pytest.mark.parametrize("split, part_rows", [("weight", 64), ("x", 128)])
+@pytest.mark.parametrize("split, part_rows", [("split_w", 64), ("round_x", 256)])
 def test_the_ops_fake_counts_the_parts_of_a_symbolic_batch(split, part_rows):
     """Traced with a symbolic batch, as a compiled graph with a dynamic batch calls it: the parts' count
     is a ceiling division of the batch (launch.ceil_div, triton.cdiv's formula), at any batch."""
     def op(x, w):
-        return torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, split, 0, 32, 4)
+        return torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, split, 0, 256, 32, 4)
     graph = make_fx(op, tracing_mode="symbolic")(torch.empty(1000, 8), torch.empty(7, 8)).graph
     x, w = (n.meta["val"] for n in graph.nodes if n.op == "placeholder")
     [parts] = [n.meta["val"] for n in graph.nodes if n.op == "call_function" and n.args[1:] == (1,)]
@@ -194,37 +224,43 @@ def test_the_ops_fake_counts_the_parts_of_a_symbolic_batch(split, part_rows):
         assert ceil_div(rows, part_rows) == triton.cdiv(rows, part_rows)
 
 
-@pytest.mark.parametrize("split, block_rows", [("both", 128), ("x", 200), ("weight", -1)])
+@pytest.mark.parametrize("split, block_rows", [("tf32x3", 128), ("split_x", 200), ("round_x", 200), ("split_w", -1)])
 def test_the_op_refuses_a_split_it_cannot_make(split, block_rows):
-    """An unknown operand, statistics of split x in blocks that cut a part of 128 rows, negative blocks."""
+    """A precision that prepares no operand, statistics of x prepared in blocks that cut a part of 128 rows,
+    negative blocks."""
     x, w = torch.randn(300, 8), torch.randn(7, 8)
     with pytest.raises(ValueError, match="blocks of"):
-        torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, split, block_rows, 32, 4)
+        torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, split, block_rows, 128, 32, 4)
 
 
-@pytest.mark.parametrize("block_k, stages, mode, fit", [(32, 4, "memory", 4), (32, 4, "K", 4), (32, 4, "MN", 3),
-                                                        (64, 2, "K", 2), (64, 2, "MN", 1)])
-def test_an_mn_major_tile_split_in_the_kernel_takes_a_stage_of_shared_memory(block_k, stages, mode, fit):
-    """b's MN-major tile needs a buffer beside its K-major halves; 64-wide K blocks are then refused."""
-    b_mode = B_MODES[mode].value
-    assert warp_specialized_gemm.stages_that_fit(block_k, stages, b_mode) == fit
+@pytest.mark.parametrize("block_n, block_k, stages, mode, parts, fit", [
+    (128, 32, 4, "memory", 2, 4), (128, 32, 4, "K", 2, 4), (128, 32, 4, "MN", 2, 3), (128, 64, 2, "K", 2, 2),
+    (128, 64, 2, "MN", 2, 1), (128, 32, 6, "memory", 1, 6), (128, 32, 6, "MN", 1, 4), (256, 32, 4, "memory", 1, 4),
+    (256, 32, 4, "K", 1, 4), (256, 32, 4, "MN", 1, 2), (256, 64, 2, "MN", 1, 1)])
+def test_an_mn_major_tile_split_in_the_kernel_takes_a_stage_of_shared_memory(block_n, block_k, stages, mode, parts,
+                                                                             fit):
+    """b's MN-major tile needs a buffer beside its K-major parts; 64-wide K blocks of 3xTF32 are then
+    refused. Rounded (one part), a stage takes a tile less; 256 columns take twice a's tile."""
+    config = gemm_configs.GemmConfig(128, block_n, block_k, 8, 4, stages, warp_specialized=True)
+    assert warp_specialized_gemm.stages_that_fit(config, B_MODES[mode].value, parts) == fit
 
 
-def _split_w_triton(x, w):
-    config = gemm_configs.candidates("split_w", torch.float32)[0]
-    return linear.LinearImplementation("split_w", config)(linear.LinearCall(x, w, None, "tf32x3", "auto"))
+def _triton_twin(precision, x, w):
+    """The Triton GEMM of the same precision (W split or rounded in memory), and its error bound."""
+    twin, bound = TRITON_TWIN[gemm_precisions.prepared(precision).parts]
+    config = gemm_configs.candidates(twin, torch.float32)[0]
+    return linear.LinearImplementation(twin, config)(linear.LinearCall(x, w, None, "tf32x3", "auto")), bound
 
 
 @requires_cuda
 @requires_hopper
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", warp_specialized_gemm.CONFIGS, ids=lambda c: c.describe())
-@pytest.mark.parametrize("split", warp_specialized_gemm.SPLIT_OPERANDS)
+@pytest.mark.parametrize("split, config", warp_specialized_gemm.CANDIDATES, ids=CASE_ID)
 @pytest.mark.parametrize("layout", ["forward", "grad_x", "grad_w"])
-def test_as_exact_as_the_triton_split_gemm_at_partial_tiles(config, split, layout):
-    """1000 x 1004 -> 1300 (K ends in a partial block, the last row and column tiles are partial), the split
-    operand in memory in blocks of 384 rows (three or four blocks, the last partial) or in the kernel;
-    grad_x reads W through a transposed view, grad_w x as well (both MN-major)."""
+def test_as_exact_as_the_triton_gemm_of_its_precision_at_partial_tiles(split, config, layout):
+    """1000 x 1004 -> 1300 (K ends in a partial block, the last row and column tiles are partial), the
+    prepared operand in memory in blocks of 384 rows (three or four blocks, the last partial) or in the
+    kernel; grad_x reads W through a transposed view, grad_w x as well (both MN-major)."""
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(1000, 1004, device="cuda", generator=g)
     w = torch.randn(1300, 1004, device="cuda", generator=g) / 1004 ** 0.5
@@ -234,21 +270,20 @@ def test_as_exact_as_the_triton_split_gemm_at_partial_tiles(config, split, layou
         x = x.t().contiguous().t()
     assert warp_specialized_gemm.unlaunchable(x, w, torch.float32, split, config) is None
     y, _ = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, False, split,
-                                                      0 if config.split_in_kernel else 384, config.block_k,
-                                                      config.num_stages)
+                                                      0 if config.split_in_kernel else 384, config.block_n,
+                                                      config.block_k, config.num_stages)
     exact = F.linear(x.double(), w.double())
-    ours, triton_split = rel_error(y, exact), rel_error(_split_w_triton(x, w), exact)
-    assert ours <= 1.5 * triton_split and ours < 1e-6, (ours, triton_split)
+    twin, bound = _triton_twin(split, x, w)
+    ours, triton_twin = rel_error(y, exact), rel_error(twin, exact)
+    assert ours <= 1.5 * triton_twin and ours < bound, (ours, triton_twin)
 
 
 @requires_cuda
 @requires_hopper
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [warp_specialized_gemm.CONFIGS[0], warp_specialized_gemm.CONFIGS[2]],
-                         ids=lambda c: c.describe())
-@pytest.mark.parametrize("precision", ["split_w", "split_x"])
+@pytest.mark.parametrize("precision, config", IN_MEMORY_AND_IN_KERNEL, ids=CASE_ID)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_through_the_linear_op_and_a_compiled_graph(config, precision, with_bias):
+def test_through_the_linear_op_and_a_compiled_graph(precision, config, with_bias):
     """The linear op's implementation, and the custom op inside an Inductor graph: same results, bit for bit, as the
     op run eagerly; with a bias, added in the epilogue."""
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -261,58 +296,66 @@ def test_through_the_linear_op_and_a_compiled_graph(config, precision, with_bias
     eager = impl(call)
     compiled = torch.compile(lambda a, c, d: impl(linear.LinearCall(a, c, d, "tf32x3", "auto")) * 2.0)(x, w, b)
     assert torch.equal(compiled, eager * 2.0)
-    assert rel_error(eager, F.linear(x.double(), w.double(), b.double() if with_bias else None)) < 1e-6
+    _, bound = TRITON_TWIN[gemm_precisions.prepared(precision).parts]
+    assert rel_error(eager, F.linear(x.double(), w.double(), b.double() if with_bias else None)) < bound
 
 
 @requires_cuda
 @requires_hopper
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [warp_specialized_gemm.CONFIGS[0], warp_specialized_gemm.CONFIGS[2]],
-                         ids=lambda c: c.describe())
-@pytest.mark.parametrize("precision", ["split_w", "split_x"])
+@pytest.mark.parametrize("precision, config", IN_MEMORY_AND_IN_KERNEL, ids=CASE_ID)
 @pytest.mark.parametrize("scale", ["per_feature", "single", "number"])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("head", ["linear", "matmul"])
-def test_a_chain_on_it_is_no_further_from_float64_than_eager(config, precision, scale, training, head):
+def test_a_chain_on_it_is_no_further_from_float64_than_eager(precision, config, scale, training, head):
     """The chain's forward with, in training, the statistics from the kernel's epilogue (partial row and
     feature tiles: 1000 rows, 300 features; a consumer's last 64 rows hold 40 of the batch, the last 128
     columns of y^T 104), and the passes after it: output, batch statistics and running statistics; in
-    eval, the output from the running statistics. A matmul head's W is (in, out), seen as (out, in)."""
+    eval, the output from the running statistics. A matmul head's W is (in, out), seen as (out, in). In
+    TF32 eager's GEMM is cuBLAS's TF32 (the flag allowing it set, as a user would)."""
     args = make_args(1000, 264, 300, scale=scale, tail="gelu_relu", momentum=0.3, training=training)
     if head == "matmul":
         in_out = args.linear.weight.t().contiguous().t()
         args = dataclasses.replace(args, linear=dataclasses.replace(args.linear, weight=in_out))
     impl = Implementation(precision, config)
     assert impl.unlaunchable(args) is None
-    assert_like_eager(impl(args), args)
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    try:  # set and restored by hand (test_backend.py says why)
+        torch.backends.cuda.matmul.allow_tf32 = gemm_precisions.prepared(precision).parts == 1
+        assert_like_eager(impl(args), args)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
 @requires_cuda
 @requires_hopper
 @pytest.mark.cuda
-@pytest.mark.parametrize("split", warp_specialized_gemm.SPLIT_OPERANDS)
+@pytest.mark.parametrize("split", list(gemm_precisions.PREPARED))
 def test_its_partials_are_each_parts_mean_and_m2(split):
-    """1000 rows (the last part partial), 600 features, a bias and a per-feature scale; the split operand
-    split in memory, whole and in blocks of 256 rows (of x: whole parts; of W: bias, scale and partials
-    from each block's first feature), and split in the kernel, K-major (in place) and MN-major (beside
-    it). y is the same bit for bit every way (the same halves, the same products in the same order), and
-    every part's mean and M2 of z = y * scale is float64's within 1e-6. The partials are the same bit for
-    bit split whole in memory and in the kernel, and repeated (no race between the consumers' splits or
-    epilogues); in blocks they are not compared bit for bit (on an H100 split x's differed in their last
-    bits while y did not; the batch size of a block is among what its launch is specialized on)."""
+    """1000 rows (the last part partial), 600 features, a bias and a per-feature scale; the prepared operand
+    split (rounded) in memory, whole and in blocks of 256 rows (of x: whole parts; of W: bias, scale and
+    partials from each block's first feature), and in the kernel, K-major (in place) and MN-major (beside
+    it). y is the same bit for bit every way (the same parts, the same products in the same order), and
+    every part's mean and M2 of z = y * scale is float64's of the y stored within 1e-6. The partials are
+    the same bit for bit split whole in memory and in the kernel, and repeated (no race between the
+    consumers' splits or epilogues); in blocks they are not compared bit for bit (on an H100 split x's
+    differed in their last bits while y did not; the batch size of a block is among what its launch is
+    specialized on)."""
     g = torch.Generator(device="cuda").manual_seed(11)
     x = torch.randn(1000, 136, device="cuda", generator=g)
     w = torch.randn(600, 136, device="cuda", generator=g)
     bias, scale = torch.randn(600, device="cuda", generator=g), torch.randn(600, device="cuda", generator=g)
-    z = F.linear(x.double(), w.double(), bias.double()) * scale.double()
-    rows = warp_specialized_gemm.rows_per_part(split)
+    block_n = 128 if gemm_precisions.prepared(split).parts == 2 else 256
+    rows = warp_specialized_gemm.rows_per_part(split, block_n)
     n_parts = -(-1000 // rows)
 
     def run(x, w, block_rows):
-        return torch.ops.fusepass.warp_specialized_linear(x, w, bias, scale, 1.0, True, split, block_rows, 32, 4)
+        return torch.ops.fusepass.warp_specialized_linear(x, w, bias, scale, 1.0, True, split, block_rows, block_n,
+                                                          32, 4)
 
     y, parts = run(x, w, 1024)
-    mn_major_b = (x, w.t().contiguous().t()) if split == "weight" else (x.t().contiguous().t(), w)
+    z = y.double() * scale.double()
+    mn_major_b = (x, w.t().contiguous().t()) if split.endswith("_w") else (x.t().contiguous().t(), w)
     blocked = run(x, w, 256)
     assert torch.equal(blocked[0], y)
     for other in (run(x, w, 1024), run(x, w, 0), run(*mn_major_b, 0)):
@@ -326,9 +369,9 @@ def test_its_partials_are_each_parts_mean_and_m2(split):
 
 
 if __name__ == "__main__":
-    a_major, b_mode, epilogue = sys.argv[1:4]
+    a_major, b_mode, epilogue, parts = sys.argv[1:5]
     ptx = _compile_for_hopper(a_major == "K", b_mode, epilogue.startswith("statistics"),
-                              epilogue.endswith("transposed"))
+                              epilogue.endswith("transposed"), int(parts))
     events = re.findall(r"wgmma\.commit_group|wgmma\.wait_group|fence\.proxy\.async", ptx)
     split_under_wgmmas = any(e == "wgmma.commit_group" and "fence.proxy.async" in events[i + 1:i + 2]
                              for i, e in enumerate(events))
