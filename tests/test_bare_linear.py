@@ -9,9 +9,23 @@ import torch.nn as nn
 from torch._inductor.utils import run_fw_bw_and_get_code
 
 import fusepass
+from fusepass.families import bare_linear
 from fusepass.lowering import linear
+from fusepass.lowering.schema import KernelOptions
 from tests.chains import DEVICES, MLP, ChainModel, Trio, assert_fused, make_input
 from tests.test_backend import run_train_then_eval
+from tests.test_pattern import rewrite, single_graph
+
+
+def test_kernel_options_reach_the_linear_op():
+    """Every option the op takes, CUDA graphs among them (they change what its tuner offers)."""
+    gm = single_graph(nn.Sequential(nn.Linear(16, 8)), make_input(4, 16))
+    kernel = KernelOptions(fp32_matmul="ieee", gemm="cublas", operand_copies=False, cuda_graphs=True)
+    rewrite(gm, kernel, (bare_linear.FAMILY,))
+    [op] = [n for n in gm.graph.nodes if n.target is bare_linear.FUSED_OP]
+    arguments = dict(zip([a.name for a in bare_linear.FUSED_OP._schema.arguments], op.args))
+    assert (arguments["kernel_fp32_matmul"], arguments["kernel_gemm"], arguments["kernel_operand_copies"],
+            arguments["kernel_cuda_graphs"]) == ("ieee", "cublas", False, True)
 
 
 def _mlp_steps(device, *, steps=3, batch=48, autocast_dtype=None, options=None, mode=None):

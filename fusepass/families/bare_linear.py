@@ -46,7 +46,7 @@ def replace(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Kern
     x = replaced.get(lin.x, lin.x)
     with graph.inserting_before(last):
         out = graph.call_function(FUSED_OP, (x, lin.weight, lin.bias, kernel.fp32_matmul, kernel.gemm, None,
-                                             kernel.operand_copies))
+                                             kernel.operand_copies, kernel.cuda_graphs))
     out.meta.update(last.meta)
     carry_sources([out], match.nodes)
     last.replace_all_uses_with(out)

@@ -1,5 +1,5 @@
 """`torch.ops.fusepass.linear(x, weight, bias, kernel_fp32_matmul, kernel_gemm, out_dtype=None,
-kernel_operand_copies=True)`:
+kernel_operand_copies=True, kernel_cuda_graphs=False)`:
 x @ weight^T + bias for 2-D operands of any strides, in x's dtype or, for bf16/fp16 operands, in fp32
 straight from the GEMM's fp32 accumulators (out_dtype; a chain's weight gradient under autocast), on
 fusepass's Triton GEMM (gemm.py, no epilogue) or on cuBLAS, whichever is fastest for the problem at the
@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fusepass.lowering import gemm, gemm_configs, limits, tuning, warp_specialized_gemm
-from fusepass.lowering.choice import cublas_traceable, gemm_option, matmul_precision, triton_configs
+from fusepass.lowering.choice import (UNGRAPHED_MIN_FLOP, cublas_traceable, gemm_option, matmul_precision,
+                                      triton_configs)
 from fusepass.lowering.gemm_precisions import prepared, prepared_variant, prepares, preparing_weight
 from fusepass.lowering.implementations import cublas_precision, gemm_unlaunchable
 from fusepass.lowering.launch import hint, stored
@@ -44,14 +45,17 @@ class LinearCall(NamedTuple):
     kernel_gemm: str
     out_dtype: Optional[torch.dtype] = None
     kernel_operand_copies: bool = True
+    kernel_cuda_graphs: bool = False
 
     @property
     def kernel(self) -> KernelOptions:
-        return KernelOptions(self.kernel_fp32_matmul, self.kernel_gemm, self.kernel_operand_copies)
+        return KernelOptions(self.kernel_fp32_matmul, self.kernel_gemm, self.kernel_operand_copies,
+                             self.kernel_cuda_graphs)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_fp32_matmul: str, kernel_gemm: str,
-           out_dtype: Optional[torch.dtype] = None, kernel_operand_copies: bool = True) -> Tensor:
+           out_dtype: Optional[torch.dtype] = None, kernel_operand_copies: bool = True,
+           kernel_cuda_graphs: bool = False) -> Tensor:
     """The op's signature."""
 
 
@@ -231,7 +235,8 @@ def _precision(call: LinearCall) -> str:
 
 def problem(call: LinearCall, traced: bool) -> Problem:
     """Bucket: the batch, rounded up to a power of two. Family: the other two GEMM sizes, which operand
-    dimension is contiguous, dtype, bias, precision, gemm option, traced or not."""
+    dimension is contiguous, dtype, bias, precision, gemm and copies options, CUDA graphs (they change
+    what is offered: warp_specialized_offered), traced or not."""
     x, weight = call.x, call.weight
     m, k, n = _gemm_sizes(call)
     batch, others = (k, f"M={m} N={n}") if _reduces_over_batch(call) else (m, f"K={k} N={n}")
@@ -239,7 +244,8 @@ def problem(call: LinearCall, traced: bool) -> Problem:
     family = (f"{OP_NAME} {others} layout={_layout(call)} dtype={str(x.dtype).removeprefix('torch.')} "
               f"out={str(_out_dtype(call)).removeprefix('torch.')} "
               f"bias={call.bias is not None} precision={_precision(call)} gemm={gemm_choice}"
-              + ("" if call.kernel_operand_copies else " copies=False") + (" traced" if traced else ""))
+              + ("" if call.kernel_operand_copies else " copies=False")
+              + (" cuda_graphs" if call.kernel_cuda_graphs else "") + (" traced" if traced else ""))
     return Problem(family, (bucket(batch),))
 
 
@@ -275,8 +281,8 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
     4096). The full search also times the precision itself, and the GEMM on K-major copies of the
     operands. With operand copies forbidden (kernel_operand_copies=False), neither: the precision itself
     (on strided loads), and cuBLAS. In TF32 and 3xTF32, also the warp-specialized Gluon kernel
-    (warp_specialized_gemm.py) preparing either operand, on an sm_90 GPU: in memory, and in the kernel,
-    which copies nothing and so is offered with copies forbidden too."""
+    (warp_specialized_gemm.py) preparing either operand, on an sm_90 GPU (where warp_specialized_offered):
+    in memory, and in the kernel, which copies nothing and so is offered with copies forbidden too."""
     x, weight = call.x, call.weight
     m, k, n = _gemm_sizes(call, problem)
     precision = _precision(call)
@@ -292,7 +298,9 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
             precisions = [precision, variant] if k_major else [variant] + ([precision] if search == "full" else [])
         found += [LinearImplementation(p, config) for p, config in
                   triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
-        found += [LinearImplementation(p, config) for p, config in warp_specialized_gemm.candidates(precision, copies)]
+        if warp_specialized_offered(call, 2 * m * k * n, precision):
+            found += [LinearImplementation(p, config)
+                      for p, config in warp_specialized_gemm.candidates(precision, copies)]
         if not k_major and search == "full" and copies:
             found.append(LinearImplementation(precision, gemm_configs.candidates(precision, x.dtype)[0], True))
         found = [impl for impl in found if impl.unlaunchable(call) is None]
@@ -300,6 +308,16 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
         if not traced or cublas_traceable(precision):
             found.append(LinearImplementation(precision))
     return {impl.name: impl for impl in found}
+
+
+def warp_specialized_offered(call: LinearCall, flop: int, precision: str) -> bool:
+    """Whether the warp-specialized GEMM, which launches from Python (an opaque op; choice.UNGRAPHED_MIN_FLOP
+    says what that costs), is offered: in 3xTF32, whose GEMMs take three TF32 products' time, always; in TF32
+    under CUDA graphs, or for a GEMM of at least UNGRAPHED_MIN_FLOP. H200, TF32 training steps in default
+    mode with it offered to every GEMM of the backward: 16384 x 4096 -> 4096 4.239 ms (Inductor 4.776),
+    1024 x 8192 -> 8192 1.696 (Inductor 1.107) and the MLP 2.513 (2.139), host-bound; with CUDA graphs
+    1.058 (Inductor 1.153) and 1.990 (2.278)."""
+    return precision != "tf32" or call.kernel_cuda_graphs or flop >= UNGRAPHED_MIN_FLOP
 
 
 def _stand_ins(call: LinearCall) -> LinearCall:
@@ -343,7 +361,7 @@ LINEAR = TunedOp(Declaration(
 def call(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: KernelOptions,
          out_dtype: Optional[torch.dtype] = None) -> Tensor:
     return torch.ops.fusepass.linear(x, weight, bias, kernel.fp32_matmul, kernel.gemm, out_dtype,
-                                     kernel.operand_copies)
+                                     kernel.operand_copies, kernel.cuda_graphs)
 
 
 # --------------------------------------------------------------------------- autograd

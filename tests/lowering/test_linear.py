@@ -186,6 +186,26 @@ def test_forbidding_operand_copies_is_a_problem_of_its_own():
     assert linear.problem(allowed, False).family != linear.problem(forbidden, False).family
 
 
+def test_cuda_graphs_are_a_problem_of_their_own():
+    """A choice made where launches replay from CUDA graphs (the warp-specialized GEMM's host time hidden)
+    never serves a call without them (the tuning cache's key)."""
+    a, b = _operands("grad_weight", 64, 64, 64, seed=0)
+    ungraphed, graphed = (linear.LinearCall(a, b, None, "tf32x3", "auto", None, True, graphs)
+                          for graphs in (False, True))
+    assert linear.problem(ungraphed, False).family != linear.problem(graphed, False).family
+
+
+@pytest.mark.parametrize("precision, graphs, flop, offered", [
+    ("tf32x3", False, 1e9, True), ("tf32", False, 1.4e11, False), ("tf32", False, 5.5e11, True),
+    ("tf32", True, 1e9, True)])
+def test_tf32_without_cuda_graphs_is_offered_the_warp_specialized_gemm_for_large_gemms_only(precision, graphs, flop,
+                                                                                          offered):
+    """1024 x 8192 -> 8192 (1.4e11 FLOP) is not, 16384 x 4096 -> 4096 (5.5e11) is; 3xTF32 always."""
+    a, b = _operands("forward", 8, 8, 8, seed=0)
+    call = linear.LinearCall(a, b, None, "tf32x3", "auto", None, True, graphs)
+    assert linear.warp_specialized_offered(call, flop, precision) is offered
+
+
 def test_short_search_times_fewer_configs_and_small_tiles_only_where_sms_idle():
     configs = gemm_configs.candidates("native", torch.bfloat16)
     cuda = torch.device("cuda")
