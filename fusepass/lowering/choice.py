@@ -143,6 +143,9 @@ UNGRAPHED_MIN_FLOP = 2.5e11
 # An inference graph (no backward) is GPU-bound from GEMMs that take longer than the op's host time: 3e10
 # FLOP is 0.3 ms at 100 TFLOP/s. H100, eval forwards under no_grad, offered at every size against not:
 # gemm_batchnorm_scale_softmax at 1024 x 8192 -> 8192 1.121 against 1.350 ms; the MLP 1.612 against 1.961.
+# In 3xTF32 only: one TF32 product takes a third of the time, and a TF32 forward without a backward at
+# 1024 x 8192 -> 8192 (1.4e11 FLOP) lost with it offered (H200, gemm_batchnorm_scale_softmax's forward in
+# training mode: 0.84x Inductor, against 0.99x not offered), so TF32 keeps UNGRAPHED_MIN_FLOP.
 INFERENCE_MIN_FLOP = 3e10
 # A matmul head at any size: H100, matmul_batchnorm_scale_softmax (1024 x 8192 -> 8192, default mode) offered
 # against not, training forward 1.525 -> 1.085 ms and its own peak 353 -> 96 MB; training step 2.952 -> 2.530.
@@ -150,13 +153,14 @@ INFERENCE_MIN_FLOP = 3e10
 
 def warp_specialized_offered(args: ChainArgs, rows: int) -> bool:
     """Whether the chain is offered the warp-specialized GEMM (where it can launch): under CUDA graphs;
-    for a GEMM of at least UNGRAPHED_MIN_FLOP at `rows` (the bucket's), INFERENCE_MIN_FLOP where no
-    backward follows (the op saves no linear output); and for a weight that is not K-major (a matmul
+    for a GEMM of at least UNGRAPHED_MIN_FLOP at `rows` (the bucket's), INFERENCE_MIN_FLOP in 3xTF32 where
+    no backward follows (the op saves no linear output); and for a weight that is not K-major (a matmul
     head's (in, out) W seen as (out, in)), which the Triton GEMM reads through a K-major copy made on
     every call (gemm.needs_k_major_copy: W's size again) and this kernel reads in place."""
     flop = 2 * rows * hint(args.linear.x.shape[1]) * hint(args.n_features)
+    tf32 = matmul_precision(args.linear.x.dtype, args.kernel.fp32_matmul) == "tf32"
     return (args.kernel.cuda_graphs or not limits.k_major(args.linear.weight)
-            or flop >= (UNGRAPHED_MIN_FLOP if args.save_linear_out else INFERENCE_MIN_FLOP))
+            or flop >= (UNGRAPHED_MIN_FLOP if args.save_linear_out or tf32 else INFERENCE_MIN_FLOP))
 
 
 def stand_ins(args: ChainArgs) -> ChainArgs:

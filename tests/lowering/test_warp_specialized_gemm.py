@@ -185,6 +185,21 @@ def test_without_cuda_graphs_an_inference_gemm_needs_less_flop(rows, offered):
     assert not choice.warp_specialized_offered(training, rows)
 
 
+@pytest.mark.parametrize("rows, offered", [(4096, False), (16384, True)])
+def test_without_cuda_graphs_a_tf32_gemm_needs_a_training_gemms_flop_also_in_inference(rows, offered):
+    """One TF32 product takes a third of 3xTF32's time, so its inference GEMM hides the op's host time only
+    as large as a training GEMM: at 4096 -> 4096 features 1.4e11 FLOP at 4096 rows is not offered (3xTF32
+    is), 5.5e11 at 16384 is."""
+    inference = make_args(8, 4096, 4096, save_linear_out=False, kernel=KernelOptions(cuda_graphs=False))
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    try:  # set and restored by hand (test_backend.py says why)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert choice.warp_specialized_offered(inference, rows) is offered
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    assert choice.warp_specialized_offered(inference, rows)
+
+
 @pytest.mark.parametrize("save_linear_out", [True, False])
 def test_a_matmul_heads_weight_is_offered_it_at_any_size(save_linear_out):
     """An (in, out) W seen as (out, in): the Triton GEMM would copy it K-major on every call."""
