@@ -802,8 +802,8 @@ GEMM_INTRO = (
     "column is its fastest tile config (every candidate of the full search; a `tma` config serves only calls the "
     "op runs opaquely, as traced launches cannot carry host-made TMA descriptors; a `persistent` one makes "
     "its descriptors in the kernel and serves both; a `warp-specialized` one is the Gluon kernel the linear "
-    "op runs behind an opaque custom op, W split (split_w) or x (split_x), the split in the linear op's blocks "
-    "included). "
+    "op runs behind an opaque custom op, W or x split (split_w, split_x; 3xTF32) or rounded (round_w, round_x; "
+    "TF32), in the linear op's blocks or in the kernel, the preparation included). "
     "\"of peak\": fusepass's TFLOP/s over the data sheet's dense peak (bf16 989 with or without the cast, "
     "TF32 495, 3xTF32 a third of TF32's: 165). Issue 26's targets: bf16 ≥ 0.95× cuBLAS, TF32 ≥ 0.90×, "
     "3xTF32 ≥ 130 TFLOP/s.")
@@ -851,7 +851,10 @@ FORWARD_GEMM_NOTE = {"fp32": " On Hopper the chain's forward GEMM on the warp-sp
                              "Python) is offered without CUDA graphs for GEMMs of at least "
                              "`choice.UNGRAPHED_MIN_FLOP` (2.5e11 FLOP) in a graph with a backward (train mode "
                              "here), `choice.INFERENCE_MIN_FLOP` (3e10) in one without (eval here), and at any "
-                             "size for a matmul head, whose (in, out) W the Triton GEMM would copy."}
+                             "size for a matmul head, whose (in, out) W the Triton GEMM would copy.",
+                     "tf32": " On Hopper the chain's forward GEMM on the warp-specialized kernel (launched from "
+                             "Python) is offered without CUDA graphs for GEMMs of at least "
+                             "`choice.UNGRAPHED_MIN_FLOP` (2.5e11 FLOP), with a backward or without."}
 
 
 def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
@@ -869,10 +872,11 @@ def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
     parts += section("Training step", "Forward + backward in train mode (`--backward`), in Inductor's default mode "
                      "and with CUDA graphs (`mode=\"reduce-overhead\"`; each call a new step, as a training loop "
                      "runs it); the floor counts three GEMMs per linear (forward, dX, dW) at fusepass's precision, "
-                     "and \"of floor\" is against fusepass's default mode. In fp32 on Hopper, fusepass's mode "
-                     "decides one candidate: the chain's forward GEMM on the warp-specialized kernel (launched from "
-                     "Python) is offered with CUDA graphs, and without them only for GEMMs of at least "
-                     "`choice.UNGRAPHED_MIN_FLOP` (2.5e11 FLOP) and for matmul heads.", training_table(rows))
+                     "and \"of floor\" is against fusepass's default mode. In fp32 and TF32 on Hopper, fusepass's "
+                     "mode decides candidates: a GEMM on the warp-specialized kernel (launched from Python) is "
+                     "offered with CUDA graphs, and without them only for GEMMs of at least "
+                     "`choice.UNGRAPHED_MIN_FLOP` (2.5e11 FLOP; in 3xTF32 every GEMM of the backward) and for "
+                     "matmul heads.", training_table(rows))
     parts += section("GEMM alone", GEMM_INTRO, gemm_alone_table(gemm_alone or []))
     parts += section("Small shapes, 128×1024→512", "Both problems at `--size 128,1024,512`, forwards and training "
                      "steps. Their floor is a few microseconds: these times are launch and host overhead.",

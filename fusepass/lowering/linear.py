@@ -313,10 +313,11 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
 def warp_specialized_offered(call: LinearCall, flop: int, precision: str) -> bool:
     """Whether the warp-specialized GEMM, which launches from Python (an opaque op; choice.UNGRAPHED_MIN_FLOP
     says what that costs), is offered: in 3xTF32, whose GEMMs take three TF32 products' time, always; in TF32
-    under CUDA graphs, or for a GEMM of at least UNGRAPHED_MIN_FLOP. H200, TF32 training steps in default
-    mode with it offered to every GEMM of the backward: 16384 x 4096 -> 4096 4.239 ms (Inductor 4.776),
-    1024 x 8192 -> 8192 1.696 (Inductor 1.107) and the MLP 2.513 (2.139), host-bound; with CUDA graphs
-    1.058 (Inductor 1.153) and 1.990 (2.278)."""
+    under CUDA graphs, or for a GEMM of at least UNGRAPHED_MIN_FLOP (the chain's forward keeps the same
+    rule). H200, TF32 training steps in default mode with it offered to every GEMM of the backward:
+    16384 x 4096 -> 4096 4.239 ms (Inductor 4.776); 1024 x 8192 -> 8192 1.696 (p20-p80 1.46-1.84;
+    Inductor 1.107), host-bound (gated: 1.430, 1.35-1.63, Inductor 1.141); with CUDA graphs 1.058
+    (Inductor 1.153)."""
     return precision != "tf32" or call.kernel_cuda_graphs or flop >= UNGRAPHED_MIN_FLOP
 
 
