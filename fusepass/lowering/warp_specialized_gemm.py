@@ -62,7 +62,8 @@ CONFIGS = [GemmConfig(BLOCK_M, 128, 32, GROUP_M, 4, 4, warp_specialized=True),
 # alone): 0.89-0.95x cuBLAS TF32 at 1024 x 8192 -> 8192, 16384 x 4096 -> 4096, 4096 x 1024 -> 4096 and
 # 4096^2 (round_x), against 0.72-0.79x on 128 columns (as 3xTF32's tiles) and 0.61-0.69x with one K block's
 # wgmmas left running while the next block's are issued; 128 columns where N is small (4096 x 4096 -> 256:
-# 0.73x against 0.52x).
+# 0.73x against 0.52x). Rounded in the kernel (what operand_copies=False keeps): the chain's forward took
+# 1.4x the time rounded in memory at 1024 x 8192 -> 8192 and 16384 x 4096 -> 4096 (H200, tuning log).
 ROUNDED_CONFIGS = [GemmConfig(BLOCK_M, 256, 32, GROUP_M, 4, 4, warp_specialized=True),
                    GemmConfig(BLOCK_M, 128, 32, GROUP_M, 4, 4, warp_specialized=True),
                    GemmConfig(BLOCK_M, 256, 32, GROUP_M, 4, 4, warp_specialized=True, split_in_kernel=True),
