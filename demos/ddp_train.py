@@ -12,8 +12,9 @@ ranks must run the same steps: their collectives pair up, so do_bench's own choi
 be used). --profile: after timing, rank 0 also prints the
 named providers' (every provider's if none is named) host time per step (the steps queued without
 synchronizing), every rank's host, wall and CUDA kernel times (NCCL's apart: a rank that waits for
-another shows it there), the CUDA kernels of --steps steps (torch.profiler) and the Python functions
-taking the host's time (cProfile); every rank runs the profiled steps, so that the collectives pair up. On a
+another shows it there), the CUDA kernels of --steps steps (torch.profiler; with --trace DIR, every rank
+also writes their Chrome trace there) and the Python functions taking the host's time (cProfile); every
+rank runs the profiled steps, so that the collectives pair up. On a
 machine without GPUs it runs on CPU with gloo, shrunk (--shrink), plain batch norm only: DDP refuses
 SyncBatchNorm on CPU.
 """
@@ -25,6 +26,7 @@ import copy
 import cProfile
 import io
 import json
+import logging
 import os
 import pstats
 import statistics
@@ -64,11 +66,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", help="rank 0 writes the results here")
     parser.add_argument("--profile", nargs="*", choices=PROVIDERS,
                         help="rank 0 prints host time and kernels of these providers (every one if none is named)")
+    parser.add_argument("--verbose", action="store_true", help="every rank logs fusepass's tuning choices")
+    parser.add_argument("--trace", help="with --profile: every rank writes the profiled steps' Chrome trace into "
+                                        "this folder, one file per case, provider and rank")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    if args.verbose:
+        logging.basicConfig(format=f"rank {os.environ.get('RANK', 0)}: %(message)s")
+        logging.getLogger("fusepass").setLevel(logging.INFO)
     cuda = torch.cuda.is_available()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
@@ -107,7 +115,10 @@ def run_case(path: str, norm: str, precision: str, args, device: torch.device, r
         if rank == 0:  # at once: a profile or a provider that fails later leaves it
             print(f"{case['problem']} {norm} {precision} {provider}: {case['ms'][provider]:.3f} ms a step", flush=True)
         if args.profile is not None and provider in (args.profile or PROVIDERS):
-            report = profile_steps(step, args.steps, device)
+            trace = None
+            if args.trace:
+                trace = Path(args.trace) / f"{case['problem']}_{norm}_{precision}_{provider}_rank{rank}.json"
+            report = profile_steps(step, args.steps, device, trace)
             if rank == 0:
                 print(f"\n== {case['problem']} {norm} {precision} {provider} ==\n{report}", flush=True)
         if provider == "fusepass":
@@ -152,7 +163,7 @@ def timed(step, warmup: int, steps: int, device: torch.device) -> list[float]:
     return times
 
 
-def profile_steps(step, steps: int, device: torch.device) -> str:
+def profile_steps(step, steps: int, device: torch.device, trace: Path | None = None) -> str:
     """Host milliseconds per step (queued without synchronizing: the CPU's own work, and any wait the
     step forces on it), every rank's host, wall and kernel times (a rank that waits on another shows it as
     NCCL kernel time), the CUDA kernels of `steps` steps, and a cProfile of `steps` more."""
@@ -169,6 +180,9 @@ def profile_steps(step, steps: int, device: torch.device) -> str:
         for _ in range(steps):
             step()
         synchronize()
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=80)
     python = cProfile.Profile()
