@@ -85,19 +85,13 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
                     grads[f"tail_tensor_{slot}"] = grad
     # g is now the gradient w.r.t. the batch_norm output
 
-    # Two column sums, of g and of g * x_hat, as eager's batch-norm backward takes them: the affine parameters'
-    # gradients are these, and the input's needs them times gamma, so each is reduced once (one reduction
-    # kernel's finishing pass each in the compiled backward, not two).
-    sum_g, sum_g_xhat = g.sum(0), (g * x_hat).sum(0)
-    gamma = bn_weight.float() if bn_weight is not None else None
-    g_hat = g * gamma if gamma is not None else g
-    sum_g_hat, sum_g_hat_xhat = (sum_g * gamma, sum_g_xhat * gamma) if gamma is not None else (sum_g, sum_g_xhat)
+    g_hat = g * bn_weight.float() if bn_weight is not None else g
+    sum_g_xhat = (g_hat * x_hat).sum(0)
     if ctx.group_name:  # SyncBatchNorm: the statistics are every rank's, so are the sums projected out
-        total_g_hat, total_g_hat_xhat, count = sync.all_reduce_sums(sum_g_hat, sum_g_hat_xhat, g.shape[0],
-                                                                    ctx.group_name)
-        grad_z = (g_hat - total_g_hat / count - x_hat * (total_g_hat_xhat / count)) * invstd
+        sum_g, sum_g_xhat, count = sync.all_reduce_sums(g_hat.sum(0), sum_g_xhat, g.shape[0], ctx.group_name)
+        grad_z = (g_hat - sum_g / count - x_hat * (sum_g_xhat / count)) * invstd
     elif ctx.training:  # batch statistics depend on z: project out the mean and the x_hat component
-        grad_z = (g_hat - sum_g_hat / g.shape[0] - x_hat * (sum_g_hat_xhat / g.shape[0])) * invstd
+        grad_z = (g_hat - g_hat.mean(0) - x_hat * (sum_g_xhat / g.shape[0])) * invstd
     else:
         grad_z = g_hat * invstd
     grad_y = stored((grad_z * s1.factor()).to(linear_out.dtype))  # read by every block of dX and dW
@@ -114,11 +108,11 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
     if need.linear.bias:
         grads["linear_bias"] = _linear_bias_grad(ctx, grad_y)
     if need.scale_before.tensor:
-        grads["scale_before_tensor"] = _scale_grad(ctx, s1, grad_z, y, g_hat, sum_g_hat_xhat, invstd)
-    if need.batch_norm.weight:  # this rank's sums, synced or not: DDP averages parameters' gradients
-        grads["batch_norm_weight"] = sum_g_xhat.to(bn_weight.dtype)
+        grads["scale_before_tensor"] = _scale_grad(ctx, s1, grad_z, y, g_hat, sum_g_xhat, invstd)
+    if need.batch_norm.weight:
+        grads["batch_norm_weight"] = (g * x_hat).sum(0).to(bn_weight.dtype)
     if need.batch_norm.bias:
-        grads["batch_norm_bias"] = sum_g.to(bn_bias.dtype)
+        grads["batch_norm_bias"] = g.sum(0).to(bn_bias.dtype)
     return gradients_in_op_order(grads)
 
 
@@ -139,21 +133,21 @@ def _linear_bias_grad(ctx, grad_y: Tensor) -> Tensor:
     return grad_y.float().sum(0).to(ctx.bias_dtype)
 
 
-def _scale_grad(ctx, scale: Scale, grad_z: Tensor, y: Tensor, g_hat: Tensor, sum_g_hat_xhat: Tensor,
+def _scale_grad(ctx, scale: Scale, grad_z: Tensor, y: Tensor, g_hat: Tensor, sum_g_xhat: Tensor,
                 invstd: Tensor) -> Tensor:
     # Synced, the closed form below would need every rank's y: this rank's part of the gradient is the
     # direct sum, as eager's
     if not ctx.training or ctx.group_name:
         return pointwise.reduce_to((grad_z * y).sum(0), scale.tensor)
     if statically_known_true(y.shape[0] == 0):  # no rows, no gradient; their statistics are NaN
-        return pointwise.reduce_to(torch.zeros_like(sum_g_hat_xhat), scale.tensor)
+        return pointwise.reduce_to(torch.zeros_like(sum_g_xhat), scale.tensor)
     s = scale.factor()
     # Scaling a feature changes its normalized value only through eps, so the direct sum(grad_z * y)
     # cancels almost completely. Its exact value, sum(g_hat * x_hat) * eps * invstd^2 / s, does not
     # (derivation: sum(grad_z) = sum(x_hat) = 0 and mean(x_hat^2) = var * invstd^2).
-    closed_form = sum_g_hat_xhat * ctx.eps * invstd * invstd / s
+    closed_form = sum_g_xhat * ctx.eps * invstd * invstd / s
     # At s == 0, x_hat is 0 and the gradient is invstd * sum((g_hat - mean(g_hat)) * y): the co-moment of
-    # g_hat and y. It is taken from column sums of the same kind as sum_g_hat_xhat, which the compiled
+    # g_hat and y. It is taken from column sums of the same kind as sum_g_xhat, which the compiled
     # backward makes in the same reduction (the direct form needs a second pass over an (N, F) grad_z):
     # in float64, where products of fp32 values are exact, and shifted by the first row, so that a
     # constant g_hat gives exactly 0.
