@@ -37,6 +37,7 @@ from fusepass.lowering.tuning import TUNER, Problem, bucket
 from fusepass.numerics import no_further_than_eager, rel_error
 from fusepass.matcher import Match, Miss, find_chains, meta_value
 from fusepass.rewrite import apply
+from fusepass.sync_batch_norm import sync_batch_norm
 
 log = logging.getLogger(__name__)
 FUSED = "fused"
@@ -133,6 +134,10 @@ def _why_not_timed(match: Match) -> Optional[str]:
         # A CUDA backward runs on autograd's device thread; compiled lazily there, inside this compile,
         # it would wait for the compile lock this thread holds.
         return "this torch cannot compile a candidate's backward ahead of its first call"
+    if any(n.target is sync_batch_norm for n in match.nodes):
+        # Both ways run collectives, which only the timing rank would issue: another may read the verdict
+        # from the cache, and would hang or be corrupted by the collectives it never joins.
+        return "a SyncBatchNorm chain (timing it would issue collectives on this rank alone)"
     values = [meta_value(n) for n in match.nodes]
     if not all(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in values):
         return "not on CUDA"

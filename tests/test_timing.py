@@ -7,6 +7,7 @@ the counters, the report and the model's results are real. Its last test times f
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from fusepass import timing
 from fusepass.families import FAMILIES
 from fusepass.matcher import find_chains
 from fusepass.lowering import tuning
+from fusepass.sync_batch_norm import sync_batch_norm
 from tests.chains import ChainModel, Trio, assert_fused, fusepass_stats, make_input, requires_cuda
 
 
@@ -148,6 +150,17 @@ def test_not_timed_on_cpu_or_with_tuning_off(monkeypatch):
     assert fusepass.explain(model, x).matches[0]["verdict"] == "fused: not timed against Inductor: not on CUDA"
     monkeypatch.setenv(tuning.TUNE_ENV, "0")
     assert fusepass.explain(model, x).matches[0]["verdict"] == "fused: not timed against Inductor: FUSEPASS_TUNE=0"
+
+
+def test_a_sync_batch_norm_chain_is_never_timed(monkeypatch):
+    """Timing either way would run SyncBatchNorm's collectives on the timing rank alone."""
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    synced = graph.call_function(sync_batch_norm, (x,))
+    plain = graph.call_function(torch.nn.functional.batch_norm, (x,))
+    assert timing._why_not_timed(SimpleNamespace(nodes=(x, synced))).startswith("a SyncBatchNorm chain")
+    assert not timing._why_not_timed(SimpleNamespace(nodes=(x, plain))).startswith("a SyncBatchNorm chain")
 
 
 def test_extract_computes_the_nodes_alone():

@@ -163,6 +163,17 @@ def warp_specialized_offered(args: ChainArgs, rows: int) -> bool:
             or flop >= (UNGRAPHED_MIN_FLOP if args.save_linear_out or tf32 else INFERENCE_MIN_FLOP))
 
 
+def without_collectives(args: ChainArgs) -> ChainArgs:
+    """args as the tuner times them: a SyncBatchNorm chain as the batch-norm chain of this rank's rows. Each
+    rank tunes on its own while it compiles, and may find in the disk cache a choice another rank had to
+    time: a collective issued while timing would be joined by no other rank, or paired with another rank's
+    real step, which it would hang or corrupt (seen with DDP and SyncBatchNorm on two H200s, the bf16 MLP
+    demo: the fusepass steps stopped, twice, after one rank timed a chain the other read from the cache).
+    The collective costs every candidate the same, so leaving it out keeps their order."""
+    bn = args.batch_norm
+    return dataclasses.replace(args, batch_norm=dataclasses.replace(bn, group_name="")) if bn.group_name else args
+
+
 def stand_ins(args: ChainArgs) -> ChainArgs:
     """Real tensors shaped like args' (fake) ones, at their size hints, with values of the kind they hold,
     for timing."""

@@ -54,6 +54,7 @@ CHAIN = TunedOp(Declaration(
     stand_ins=choice.stand_ins,
     unfused=reference,
     fake=fake,
+    without_collectives=choice.without_collectives,
 ))
 CHAIN.traced.register_autograd(backward.backward, setup_context=backward.setup_context)
 

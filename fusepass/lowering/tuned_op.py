@@ -51,7 +51,8 @@ class Declaration:
     implementations by name, default first, those that can run traced only when `traced` (may be none);
     `stand_ins(call)`: real tensors of the call's shapes (size hints for symbolic sizes), for timing while
     traced; `unfused(call)`: the op's math in PyTorch (CPU, and calls no kernel can launch for);
-    `fake(call)`: outputs of the right shapes."""
+    `fake(call)`: outputs of the right shapes; `without_collectives(call)`: the call as the tuner times it,
+    on this process alone (default: the call itself)."""
     name: str
     signature: Callable
     bind: Callable[[tuple, dict], Any]
@@ -63,6 +64,7 @@ class Declaration:
     stand_ins: Callable[[Any], Any]
     unfused: Callable[[Any], Any]
     fake: Callable[[Any], Any]
+    without_collectives: Callable[[Any], Any] = lambda call: call
 
 
 class TunedOp:
@@ -122,7 +124,7 @@ class TunedOp:
         candidates = d.candidates(call, problem, traced)
         chosen = None
         if candidates:
-            timed_call = _once(lambda: d.stand_ins(call)) if traced else (lambda: call)
+            timed_call = _once(lambda: d.without_collectives(d.stand_ins(call) if traced else call))
             runners = {name: functools.partial(_run, impl, timed_call) for name, impl in candidates.items()}
             with real_tensors() if traced else contextlib.nullcontext():
                 chosen = candidates[TUNER.choose(problem, d.device(call), runners, parallel_first_runs=True)]

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from fusepass.lowering import choice, gemm_configs, gemm_precisions, op
+from fusepass.lowering import choice, gemm_configs, gemm_precisions, op, tuned_op
 from fusepass.lowering.implementations import Implementation
 from fusepass.lowering.schema import KernelOptions, Linear
 from tests.lowering.cases import assert_like_eager, make_args
@@ -122,6 +122,37 @@ def test_choice_is_remembered_per_problem(monkeypatch):
     assert op.CHAIN.choose(make_args(10, 16, 8), traced=False) is chosen  # the same bucket
     op.CHAIN.choose(dataclasses.replace(args, kernel=KernelOptions(gemm="cublas")), traced=False)
     assert len(op.CHAIN._chosen) == 2
+
+
+def synced(args, group="ranks"):
+    return dataclasses.replace(args, batch_norm=dataclasses.replace(args.batch_norm, group_name=group))
+
+
+def test_a_sync_batch_norm_chain_is_timed_without_its_collective():
+    args = make_args(12, 16, 8)
+    assert choice.without_collectives(args) is args
+    alone = choice.without_collectives(synced(args))
+    assert alone.batch_norm.group_name == "" and not alone.batch_norm.synced
+    assert alone == dataclasses.replace(synced(args), batch_norm=dataclasses.replace(args.batch_norm, group_name=""))
+
+
+def test_the_tuner_runs_candidates_on_the_call_without_collectives(monkeypatch):
+    """Traced (on stand-ins) and not (on the call): what each timed candidate runs on is this rank's chain
+    alone, so that a rank that times issues no collective another rank, which found the choice cached,
+    would never join."""
+    timed = []
+
+    def time_each(problem, device, runners, **kwargs):
+        for run in runners.values():
+            run()
+        return next(iter(runners))
+    monkeypatch.setattr(tuned_op, "_run", lambda impl, timed_call: timed.append(timed_call()))
+    monkeypatch.setattr(tuned_op.TUNER, "choose", time_each)
+    for traced in (False, True):
+        monkeypatch.setattr(op.CHAIN, "_chosen", {})
+        timed.clear()
+        op.CHAIN.choose(synced(make_args(12, 16, 8, save_linear_out=True)), traced=traced)
+        assert timed and all(a.batch_norm.group_name == "" and a.batch_norm.training for a in timed)
 
 
 def test_stand_ins_have_the_shapes_and_a_positive_variance():
