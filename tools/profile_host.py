@@ -1,6 +1,8 @@
 """Where a compiled model's time goes, per provider: host time per call (calls queued without
 synchronizing, so this is CPU work alone), wall time per call, the CUDA kernels one call launches
-(torch.profiler), and for compiled providers a cProfile of the host side.
+(torch.profiler), and for compiled providers a cProfile of the host side and which launcher each Triton
+kernel of the process has: Inductor's static launcher or Triton's Python one (fusepass's kernels reach
+Inductor as user-defined kernels, whose launcher depends on where they compiled: options.py).
 
     python tools/profile_host.py demos/problems/gemm_scale_batchnorm.py --size 1024,8192,8192 --mode train \
         --precision bf16-autocast [--backward] [--providers eager inductor fusepass]
@@ -11,12 +13,14 @@ from __future__ import annotations
 import argparse
 import cProfile
 import copy
+import gc
 import io
 import logging
 import pstats
 import time
 
 import torch
+from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 from torch.profiler import ProfilerActivity, profile
 
 from fusepass.bench import add_problem_arguments
@@ -55,6 +59,17 @@ def host_profile(fn, calls: int) -> str:
     return text.getvalue()
 
 
+def launchers() -> str:
+    """The process's Triton kernels loaded by Inductor, by launcher."""
+    static, triton = set(), set()
+    for kernel in gc.get_objects():
+        if isinstance(kernel, CachingAutotuner) and kernel.launchers:
+            name = kernel.inductor_meta.get("kernel_name", "?")
+            (static if kernel.is_statically_launchable() else triton).add(name)
+    return (f"Inductor's static launcher: {', '.join(sorted(static)) or '-'}\n"
+            f"Triton's launcher: {', '.join(sorted(triton)) or '-'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_problem_arguments(parser, ["eager", "inductor", "fusepass"])
@@ -79,6 +94,7 @@ def main() -> None:
         print(kernel_table(call, 10))
         if provider != "eager":
             print(host_profile(call, args.calls))
+            print(launchers())
 
 
 if __name__ == "__main__":
