@@ -168,7 +168,7 @@ def without_collectives(args: ChainArgs) -> ChainArgs:
     rank tunes on its own while it compiles, and may find in the disk cache a choice another rank had to
     time: a collective issued while timing would be joined by no other rank, or paired with another rank's
     real step, which it would hang or corrupt (seen with DDP and SyncBatchNorm on two H200s, the bf16 MLP
-    demo: the fusepass steps stopped, twice, after one rank timed a chain the other read from the cache).
+    demo: the fusepass steps stopped, twice, after one rank timed a chain that the other did not time).
     The collective costs every candidate the same, so leaving it out keeps their order."""
     bn = args.batch_norm
     return dataclasses.replace(args, batch_norm=dataclasses.replace(bn, group_name="")) if bn.group_name else args
