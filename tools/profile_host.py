@@ -63,7 +63,8 @@ def launchers() -> str:
     """The process's Triton kernels loaded by Inductor, by launcher."""
     static, triton = set(), set()
     for kernel in gc.get_objects():
-        if isinstance(kernel, CachingAutotuner) and kernel.launchers:
+        # type(), not isinstance(): isinstance() asks a dead weak proxy for its class, which raises
+        if issubclass(type(kernel), CachingAutotuner) and kernel.launchers:
             name = kernel.inductor_meta.get("kernel_name", "?")
             (static if kernel.is_statically_launchable() else triton).add(name)
     return (f"Inductor's static launcher: {', '.join(sorted(static)) or '-'}\n"
