@@ -36,7 +36,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx
 from torch.fx import GraphModule
 
-from fusepass import ddp, sync_batch_norm, timing
+from fusepass import compile_workers, ddp, sync_batch_norm, timing
 from fusepass.compile_context import mark_fusepass_backend
 from fusepass.explain import Report, write_debug_dump
 from fusepass.matcher import find_chains
@@ -52,7 +52,9 @@ _failed_dump_dirs: set[str] = set()
 @mark_fusepass_backend
 def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] = None,
                      options: Optional[dict[str, Any]] = None) -> Callable:
-    compiled = _compile(gm, example_inputs, Options.parse(mode, options))
+    opts = Options.parse(mode, options)
+    compile_workers.start()  # as Inductor's backend does, with fusepass's kernels launched statically
+    compiled = _compile(gm, example_inputs, opts)
     stats()["graphs"] += 1  # once the graph is done with: not a graph Dynamo asked to trace again
     return compiled
 

@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fusepass"
 LAYERS = [
     ("the ops and their helpers", ["fusepass.lowering*", "fusepass.numerics", "fusepass.problems",
                                    "fusepass.model_state"]),
-    ("what a fusepass compile hooks into torch", ["fusepass.compile_context", "fusepass.sync_batch_norm"]),
+    ("what a fusepass compile hooks into torch", ["fusepass.compile_context", "fusepass.compile_workers",
+                                                  "fusepass.sync_batch_norm"]),
     ("the generic matcher", ["fusepass.matcher"]),
     ("the families", ["fusepass.families*"]),
     ("options and applying matches", ["fusepass.options", "fusepass.rewrite"]),
