@@ -53,7 +53,8 @@ _failed_dump_dirs: set[str] = set()
 def fusepass_backend(gm: GraphModule, example_inputs: list, mode: Optional[str] = None,
                      options: Optional[dict[str, Any]] = None) -> Callable:
     opts = Options.parse(mode, options)
-    compile_workers.start()  # as Inductor's backend does, with fusepass's kernels launched statically
+    if opts.launches_fused_kernels_statically:
+        compile_workers.start()  # as Inductor's backend does, set to launch fusepass's kernels statically
     compiled = _compile(gm, example_inputs, opts)
     stats()["graphs"] += 1  # once the graph is done with: not a graph Dynamo asked to trace again
     return compiled

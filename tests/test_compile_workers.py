@@ -50,6 +50,18 @@ def test_no_pool_without_a_gpu(pool_starts, monkeypatch):
     assert pool_starts == []
 
 
+@pytest.mark.parametrize("static", [True, False])
+def test_the_backend_starts_the_workers_only_when_fused_kernels_launch_statically(monkeypatch, static):
+    starts = []
+    monkeypatch.setattr(compile_workers, "start", lambda: starts.append(True))
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.BatchNorm1d(10))
+    compiled = torch.compile(model, backend="fusepass",
+                             options={"static_launch_user_defined_triton_kernels": static})
+    compiled(torch.randn(6, 12))
+    assert starts == ([True] if static else [])
+
+
 FRESH_PROCESS = """
 import gc, json, torch
 from torch._inductor.async_compile import AsyncCompile
