@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 from fusepass.measure import source_commit
-from fusepass.providers import build_model, precision_context, problem_inputs
+from fusepass.providers import build_model, precision_context, problem_inputs, start_compile_workers
 from fusepass.problems import load_problem, problem_size, shrunk_size
 
 PROBLEMS = Path(__file__).parent / "problems"
@@ -131,6 +131,7 @@ def run_case(path: str, norm: str, precision: str, args, device: torch.device, r
 def training_step(provider: str, model: nn.Module, inputs: list, precision: str, device: torch.device):
     ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
     backend = "inductor" if provider == "inductor" else "fusepass"
+    start_compile_workers()
     fn = ddp if provider == "eager" else torch.compile(ddp, backend=backend)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
 

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from tabulate import tabulate
 
-from fusepass import compile_workers, largest_batch, shape_changes
+from fusepass import largest_batch, shape_changes
 from fusepass.lowering.tuning import TUNER
 from fusepass.measure import Config, Result, environment, run
 from fusepass.problems import MIN_SHRUNK, ProblemSizeError, Size, check_size
@@ -182,9 +182,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except BenchError as exc:
         return _bad_input(exc)
     env = environment(cfg.device, sys.argv[1:] if argv is None else argv)
-    # Every provider compiles in this one process: the compile workers are started as in a process that uses
-    # fusepass, whichever provider compiles first (Inductor's own kernels are launched statically either way).
-    compile_workers.start()
     if args.tune_only:
         return tune_only(paths, cfg, args.batch_sizes)
     if args.batch_sequence:
