@@ -1,7 +1,7 @@
-"""Inductor's compile workers, started by the fusepass backend as Inductor's own backend starts them (at the
-first compile, so that they are ready by the time the graph's kernels are generated), but set to launch
+"""Inductor's compile workers, started by fusepass as Inductor's own backend starts them (at the first
+compile, so that they are ready by the time the graph's kernels are generated), but set to launch
 user-defined Triton kernels, which is what fusepass's kernels are to Inductor, with Inductor's static
-launcher.
+launcher. The backend starts them; so do the benchmark providers, before whichever compiles first.
 
 Where a Triton kernel compiles decides which launcher it gets: in the compiling process, Inductor reads its
 config there, and the backend's patch (options.py) gives fusepass's kernels the static launcher; in a compile
@@ -9,11 +9,11 @@ worker, the worker's own config decides, and of the parent's config Inductor pas
 `use_static_triton_launcher`, not `static_launch_user_defined_triton_kernels`, whose default is off. Once the
 pool is ready every kernel compiles there, so fusepass's kernels ran on Triton's Python launcher (an H200,
 bf16 MLP training step: 9 such launches a step, 31 us a launch on average under cProfile against 23 with
-every kernel static). A worker reads
-the setting's environment variable when it starts, so the pool is started with it set (only while it starts:
-the variable is restored after). A pool already running, started by an earlier Inductor compile in the same
-process, is left as it is, and fusepass's kernels compiled there keep Triton's launcher. A kernel the static
-launcher cannot take keeps Triton's either way: Inductor decides per kernel.
+every kernel static). A worker reads the setting's environment variable when it starts, so the pool is
+started with it set (only while it starts: the variable is restored after). A pool already running, started
+by an earlier Inductor compile in the same process, is left as it is, and fusepass's kernels compiled there
+keep Triton's launcher. A kernel the static launcher cannot take keeps Triton's either way: Inductor
+decides per kernel.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import torch
 from fusepass import compile_workers
 from fusepass.compile_workers import STATIC_USER_KERNELS_ENV
 
+
 @pytest.fixture
 def pool_starts(monkeypatch):
     """Records, for each start of the pool, the variable's value while it started."""
