@@ -2,21 +2,22 @@
 SyncBatchNorm chains (the user's own convert_sync_batchnorm), eager DDP / Inductor DDP / fusepass DDP.
 
     torchrun --nproc-per-node 2 demos/ddp_train.py [--problems demos/problems/gemm_scale_batchnorm.py ...]
-        [--precision fp32 bf16-autocast] [--steps 20] [--json results.json] [--profile [PROVIDER ...]]
+        [--precision fp32 bf16-autocast] [--steps 20] [--rounds 3] [--json results.json] [--profile [PROVIDER ...]]
 
 Each rank trains on its own batch of the problem's batch size over the world size (the reference batch
-split across the GPUs), for --warmup steps and then --steps timed steps (forward, backward, SGD step).
-Every rank prints what fusepass fused; rank 0 prints the median step time of each provider as it is
-timed, and all of them in a table at the end, timed with CUDA events over a fixed number of steps (all
-ranks must run the same steps: their collectives pair up, so do_bench's own choice of repetitions cannot
-be used). --profile: after timing, rank 0 also prints the
-named providers' (every provider's if none is named) host time per step (the steps queued without
-synchronizing), every rank's host, wall and CUDA kernel times (NCCL's apart: a rank that waits for
-another shows it there), the CUDA kernels of --steps steps (torch.profiler; with --trace DIR, every rank
-also writes their Chrome trace there) and the Python functions taking the host's time (cProfile); every
-rank runs the profiled steps, so that the collectives pair up. On a
-machine without GPUs it runs on CPU with gloo, shrunk (--shrink), plain batch norm only: DDP refuses
-SyncBatchNorm on CPU.
+split across the GPUs). Every provider's model is compiled and warmed up (--warmup steps: forward,
+backward, SGD step), then the providers are timed in --rounds interleaved rounds of --steps steps each, so
+that a drift of the machine during the case falls on all of them alike (compiled DDP steps are host-bound,
+and a process's host speed moves). Every rank prints what fusepass fused; rank 0 prints each provider's
+median step time over its rounds, with each round's median beside it, and all of them in a table at the
+end. Steps are timed with CUDA events over a fixed number of steps (all ranks must run the same steps:
+their collectives pair up, so do_bench's own choice of repetitions cannot be used). --profile: after
+timing, rank 0 also prints the named providers' (every provider's if none is named) host time per step
+(the steps queued without synchronizing), every rank's host, wall and CUDA kernel times (NCCL's apart: a
+rank that waits for another shows it there), the CUDA kernels of --steps steps (torch.profiler; with
+--trace DIR, every rank also writes their Chrome trace there) and the Python functions taking the host's
+time (cProfile); every rank runs the profiled steps, so that the collectives pair up. On a machine without
+GPUs it runs on CPU with gloo, shrunk (--shrink), plain batch norm only: DDP refuses SyncBatchNorm on CPU.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def parse_args() -> argparse.Namespace:
                         choices=["batch_norm", "sync_batch_norm"])
     parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16-autocast"])
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timed rounds per provider, interleaved across the providers")
     parser.add_argument("--shrink", type=int, default=16, help="on CPU: divide the problem's sizes by this")
     parser.add_argument("--json", help="rank 0 writes the results here")
     parser.add_argument("--profile", nargs="*", choices=PROVIDERS,
@@ -106,25 +109,39 @@ def run_case(path: str, norm: str, precision: str, args, device: torch.device, r
     if norm == "sync_batch_norm":
         base = nn.SyncBatchNorm.convert_sync_batchnorm(base)
     inputs = problem_inputs(problem, str(device), seed=rank)  # each rank its own batch
-    case = {"problem": Path(path).stem, "size": list(size), "norm": norm, "precision": precision, "ms": {}}
-    for provider in PROVIDERS:
+    case = {"problem": Path(path).stem, "size": list(size), "norm": norm, "precision": precision, "ms": {},
+            "round_ms": {}}
+    steps = {}
+    for provider in PROVIDERS:  # each compiled and warmed up, then all timed in interleaved rounds
         counters["fusepass"].clear()
-        step = training_step(provider, copy.deepcopy(base), inputs, precision, device)
-        times = timed(step, args.warmup, args.steps, device)
-        case["ms"][provider] = statistics.median(times)
-        if rank == 0:  # at once: a profile or a provider that fails later leaves it
-            print(f"{case['problem']} {norm} {precision} {provider}: {case['ms'][provider]:.3f} ms a step", flush=True)
-        if args.profile is not None and provider in (args.profile or PROVIDERS):
-            trace = None
-            if args.trace:
-                trace = Path(args.trace) / f"{case['problem']}_{norm}_{precision}_{provider}_rank{rank}.json"
-            report = profile_steps(step, args.steps, device, trace)
-            if rank == 0:
-                print(f"\n== {case['problem']} {norm} {precision} {provider} ==\n{report}", flush=True)
+        steps[provider] = training_step(provider, copy.deepcopy(base), inputs, precision, device)
+        for _ in range(args.warmup):
+            steps[provider]()
         if provider == "fusepass":
             fused = {key: counters["fusepass"][key] for key in ("graphs", "rewrites", "linears", "fallbacks")}
             case["fused"] = fused
             print(f"rank {rank}: {case['problem']} {norm} {precision}: fusepass {fused}", flush=True)
+    times = {provider: [] for provider in PROVIDERS}
+    for _ in range(args.rounds):
+        for provider in PROVIDERS:
+            steps[provider]()  # untimed: the previous provider's step left the caches to it
+            round_times = timed(steps[provider], args.steps, device)
+            times[provider] += round_times
+            case["round_ms"].setdefault(provider, []).append(statistics.median(round_times))
+    for provider in PROVIDERS:
+        case["ms"][provider] = statistics.median(times[provider])
+        if rank == 0:
+            rounds = ", ".join(f"{ms:.3f}" for ms in case["round_ms"][provider])
+            print(f"{case['problem']} {norm} {precision} {provider}: {case['ms'][provider]:.3f} ms a step "
+                  f"(rounds' medians {rounds})", flush=True)
+    for provider in PROVIDERS:
+        if args.profile is not None and provider in (args.profile or PROVIDERS):
+            trace = None
+            if args.trace:
+                trace = Path(args.trace) / f"{case['problem']}_{norm}_{precision}_{provider}_rank{rank}.json"
+            report = profile_steps(steps[provider], args.steps, device, trace)
+            if rank == 0:
+                print(f"\n== {case['problem']} {norm} {precision} {provider} ==\n{report}", flush=True)
     return case
 
 
@@ -144,10 +161,8 @@ def training_step(provider: str, model: nn.Module, inputs: list, precision: str,
     return step
 
 
-def timed(step, warmup: int, steps: int, device: torch.device) -> list[float]:
-    """Per-step milliseconds of `steps` steps after `warmup` (CUDA events on a GPU)."""
-    for _ in range(warmup):
-        step()
+def timed(step, steps: int, device: torch.device) -> list[float]:
+    """Per-step milliseconds of `steps` steps (CUDA events on a GPU)."""
     times = []
     for _ in range(steps):
         if device.type == "cuda":

@@ -291,3 +291,16 @@ def test_a_wide_spread_is_shown_beside_the_median(tmp_path):
     text = write_report(tmp_path, {"forward-fp32": payload(rows)})
     cells = table_line(text, "Forward, fp32", "gemm_scale_batchnorm 1024×8192→8192", "train")
     assert cells[2] == "4.228 (1.000–6.000)" and cells[5] == "2.114"
+
+
+def test_the_multi_gpu_table_shows_the_rounds_range_where_a_run_has_rounds():
+    def case(problem, round_ms=None):
+        ms = {"eager": 4.0, "inductor": 3.0, "fusepass": 2.5}
+        result = {"problem": problem, "size": [512, 64, 32], "norm": "batch_norm", "precision": "fp32", "ms": ms,
+                  "fused": {"rewrites": 1}}
+        return result if round_ms is None else {**result, "round_ms": round_ms}
+    rounds = {"eager": [4.0, 4.1], "inductor": [3.0, 3.3], "fusepass": [2.5, 3.0]}
+    table = report.multi_gpu_table([(Path("a.json"), {"results": [case("a_problem", rounds), case("b_problem")]})])
+    a_row, b_row = [line for line in table.splitlines() if "_problem" in line]
+    assert "| 1.10–1.20×" in a_row  # 3.3 / 3.0 and 3.0 / 2.5
+    assert "| 1.20×" in a_row and "| -  " in b_row

@@ -67,13 +67,14 @@ def test_explain_and_dump():
 
 @pytest.mark.slow
 def test_ddp_train_demo_runs_under_torchrun_on_cpu(tmp_path):
-    """demos/ddp_train.py with two gloo ranks, shrunk: fused counts per rank, a JSON of step times, rank 0's
-    profile of the providers named (every provider is timed) and every rank's Chrome trace of them."""
+    """demos/ddp_train.py with two gloo ranks, shrunk: fused counts per rank, a JSON of step times (and each
+    round's), rank 0's profile of the providers named (every provider is timed) and every rank's Chrome
+    trace of them."""
     out = tmp_path / "ddp.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              str(DEMOS / "ddp_train.py"), "--problems", str(DEMOS / "problems" / "mlp_batchnorm.py"),
-                             "--steps", "2", "--warmup", "1", "--shrink", "32", "--json", str(out),
+                             "--steps", "2", "--rounds", "2", "--warmup", "1", "--shrink", "32", "--json", str(out),
                              "--profile", "inductor", "fusepass", "--trace", str(tmp_path / "traces"), "--verbose"],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -92,6 +93,8 @@ def test_ddp_train_demo_runs_under_torchrun_on_cpu(tmp_path):
     assert "CUDA kernels 0.000 ms/step (summed over streams), NCCL's 0.000" in result.stdout
     [case] = json.loads(out.read_text())["results"]
     assert set(case["ms"]) == {"eager", "inductor", "fusepass"} and case["fused"]["rewrites"] == 2
+    assert {provider: len(rounds) for provider, rounds in case["round_ms"].items()} == \
+        {"eager": 2, "inductor": 2, "fusepass": 2}  # each provider timed in each of the interleaved rounds
     traces = sorted(p.name for p in (tmp_path / "traces").iterdir())  # every rank's, of the profiled providers
     assert traces == [f"mlp_batchnorm_batch_norm_fp32_{provider}_rank{rank}.json"
                       for provider in ("fusepass", "inductor") for rank in (0, 1)]

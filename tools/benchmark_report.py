@@ -688,8 +688,10 @@ MULTI_GPU_RUNS = (("ddp-bn-fp32", "batch_norm", "fp32"), ("ddp-sync-fp32", "sync
                   ("ddp-sync-bf16", "sync_batch_norm", "bf16-autocast"))
 MULTI_GPU_INTRO = (
     "The three reference problems' training step (forward, backward, SGD step) under DistributedDataParallel on "
-    "two GPUs, each rank with half the reference batch, by `demos/ddp_train.py` (CUDA events over 20 steps "
-    "after 5, median; a fixed count of steps, as the ranks' collectives pair up). Plain BatchNorm1d chains, and "
+    "two GPUs, each rank with half the reference batch, by `demos/ddp_train.py` (CUDA events, median; a fixed "
+    "count of steps, as the ranks' collectives pair up: 20 after 5 warm-up steps, or, in files that record "
+    "rounds, three rounds of 20 interleaved across the providers, whose per-round \"vs Inductor\" range is "
+    "shown: \"-\" where a file has no rounds). Plain BatchNorm1d chains, and "
     "the same models after `nn.SyncBatchNorm.convert_sync_batchnorm`: Inductor DDP runs eager SyncBatchNorm "
     "there (its graph break), fusepass one fused op per chain. \"fused chains\" is fusepass's count per rank.")
 
@@ -714,11 +716,20 @@ def multi_gpu_table(runs: list[tuple[Path, dict]]) -> Optional[str]:
             rows.append([r["problem"], "×".join(map(str, r["size"])), r["norm"], r["precision"],
                          *(f"{ms[p]:.3f}" for p in ("eager", "inductor", "fusepass")),
                          f"{ms['eager'] / ms['fusepass']:.2f}×", f"{ms['inductor'] / ms['fusepass']:.2f}×",
-                         str(r["fused"].get("rewrites", 0))])
+                         rounds_range(r.get("round_ms")), str(r["fused"].get("rewrites", 0))])
     if not rows:
         return None
     return markdown(sorted(rows), ["problem", "batch per rank×in×out", "norm", "precision", "eager DDP ms",
-                                   "Inductor DDP ms", "fusepass DDP ms", "vs eager", "vs Inductor", "fused chains"])
+                                   "Inductor DDP ms", "fusepass DDP ms", "vs eager", "vs Inductor",
+                                   "vs Inductor, rounds", "fused chains"])
+
+
+def rounds_range(round_ms: Optional[dict]) -> str:
+    """The lowest and highest of the rounds' Inductor-over-fusepass ratios, each round's medians."""
+    if not round_ms:
+        return "-"
+    ratios = [inductor / fusepass for inductor, fusepass in zip(round_ms["inductor"], round_ms["fusepass"])]
+    return f"{min(ratios):.2f}–{max(ratios):.2f}×"
 
 
 def multi_gpu_sources(runs: list[tuple[Path, dict]]) -> str:
