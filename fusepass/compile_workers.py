@@ -13,7 +13,8 @@ every kernel static). A worker reads the setting's environment variable when it 
 started with it set (only while it starts: the variable is restored after). A pool already running, started
 by an earlier Inductor compile in the same process, is left as it is, and fusepass's kernels compiled there
 keep Triton's launcher. A kernel the static launcher cannot take keeps Triton's either way: Inductor
-decides per kernel.
+decides per kernel. The workers serve the whole process: another model's own Triton kernels, compiled by
+Inductor there later, are launched statically too.
 """
 
 from __future__ import annotations
