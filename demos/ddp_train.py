@@ -115,7 +115,7 @@ def run_case(path: str, norm: str, precision: str, args, device: torch.device, r
     for provider in PROVIDERS:  # each compiled and warmed up, then all timed in interleaved rounds
         counters["fusepass"].clear()
         steps[provider] = training_step(provider, copy.deepcopy(base), inputs, precision, device)
-        for _ in range(args.warmup):
+        for _ in range(max(1, args.warmup)):  # at least the step that compiles, before fusepass's counts
             steps[provider]()
         if provider == "fusepass":
             fused = {key: counters["fusepass"][key] for key in ("graphs", "rewrites", "linears", "fallbacks")}
