@@ -121,19 +121,13 @@ def run_case(path: str, norm: str, precision: str, args, device: torch.device, r
             fused = {key: counters["fusepass"][key] for key in ("graphs", "rewrites", "linears", "fallbacks")}
             case["fused"] = fused
             print(f"rank {rank}: {case['problem']} {norm} {precision}: fusepass {fused}", flush=True)
-    times = {provider: [] for provider in PROVIDERS}
-    for _ in range(args.rounds):
-        for provider in PROVIDERS:
-            steps[provider]()  # untimed: the previous provider's step left the caches to it
-            round_times = timed(steps[provider], args.steps, device)
-            times[provider] += round_times
-            case["round_ms"].setdefault(provider, []).append(statistics.median(round_times))
-    for provider in PROVIDERS:
-        case["ms"][provider] = statistics.median(times[provider])
+    for provider, rounds in timed_rounds(steps, args.rounds, args.steps, device).items():
+        case["ms"][provider] = statistics.median(ms for round_times in rounds for ms in round_times)
+        case["round_ms"][provider] = [statistics.median(round_times) for round_times in rounds]
         if rank == 0:
-            rounds = ", ".join(f"{ms:.3f}" for ms in case["round_ms"][provider])
+            medians = ", ".join(f"{ms:.3f}" for ms in case["round_ms"][provider])
             print(f"{case['problem']} {norm} {precision} {provider}: {case['ms'][provider]:.3f} ms a step "
-                  f"(rounds' medians {rounds})", flush=True)
+                  f"(rounds' medians {medians})", flush=True)
     for provider in PROVIDERS:
         if args.profile is not None and provider in (args.profile or PROVIDERS):
             trace = None
@@ -159,6 +153,16 @@ def training_step(provider: str, model: nn.Module, inputs: list, precision: str,
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step
+
+
+def timed_rounds(steps: dict, rounds: int, per_round: int, device: torch.device) -> dict[str, list[list[float]]]:
+    """Each provider's step times, round by round: the providers take turns within each round."""
+    times = {provider: [] for provider in steps}
+    for _ in range(rounds):
+        for provider, step in steps.items():
+            step()  # untimed: the previous provider's step left the caches to it
+            times[provider].append(timed(step, per_round, device))
+    return times
 
 
 def timed(step, steps: int, device: torch.device) -> list[float]:
