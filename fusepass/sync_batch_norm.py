@@ -43,8 +43,7 @@ def sync_batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: 
                                                                  momentum, eps, group_name)[:3]
     if running_mean is not None:
         with torch.no_grad():
-            running_mean.copy_(new_mean)
-            running_var.copy_(new_var)
+            torch._foreach_copy_([running_mean, running_var], [new_mean, new_var])
     return out
 
 

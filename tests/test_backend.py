@@ -829,6 +829,25 @@ def test_traced_softmax_chain_launches_only_its_own_kernels(gemm, kernels, _):
     assert launched == kernels
 
 
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY)], ids=["cuda"])
+def test_running_statistics_are_stored_by_one_kernel(_):
+    """Training: the op's new running mean and variance reach the module's buffers through one foreach
+    copy, which Inductor writes in one kernel (two copy_ calls were two launches); the buffers are
+    eager's."""
+    torch.manual_seed(9)
+    model = ChainModel(96, 80).cuda().train()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="fusepass", options={"gemm": "cublas"})
+    x = make_input(40, 96, "cuda")
+    from torch._inductor.utils import run_and_get_code
+    _out, code = run_and_get_code(compiled, x)
+    eager(x)
+    launched = [re.sub(r"_\d+$", "", name) for name in re.findall(r"(\w+)\.run\(", code[0])]
+    assert sum("copy" in name for name in launched) == 1, launched
+    torch.testing.assert_close(model.bn.running_mean, eager.bn.running_mean, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.bn.running_var, eager.bn.running_var, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("training", [True, False])
 def test_a_symbolic_batch_is_traced_like_a_static_one(device, training):

@@ -159,9 +159,10 @@ def replace(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Kern
         out.meta.update(last.meta)
         bn = args.batch_norm
         if bn.updates_running_stats:
-            for name, buffer in (("new_running_mean", bn.running_mean), ("new_running_var", bn.running_var)):
-                new_value = graph.call_function(operator.getitem, (fused, ChainOutputs._fields.index(name)))
-                graph.call_method("copy_", (buffer, new_value))
+            new_values = [graph.call_function(operator.getitem, (fused, ChainOutputs._fields.index(name)))
+                          for name in ("new_running_mean", "new_running_var")]
+            # One foreach copy: Inductor writes both buffers in one kernel (two copy_ calls were two launches).
+            graph.call_function(torch._foreach_copy_, ([bn.running_mean, bn.running_var], new_values))
     carry_sources([n for n in graph.nodes if n not in before], match.nodes)
     last.replace_all_uses_with(out)
     for node in reversed(match.nodes):
