@@ -142,6 +142,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[list[str], Config, arg
     parser.add_argument("--rtol", type=float, help="allclose rtol to float64 (default: as --atol)")
     parser.add_argument("--warmup", type=int, default=100, metavar="MS", help="warm-up time per timing (ms)")
     parser.add_argument("--rep", type=int, default=500, metavar="MS", help="timed repetitions per timing (ms)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timing rounds per provider, interleaved across the providers (--rep shared among them)")
     parser.add_argument("--json", metavar="FILE", help="write every figure, with GPU, versions and date")
     parser.add_argument("--plot", metavar="FILE.png", help="bar chart of speedups (needs matplotlib)")
     parser.add_argument("--batch-sequence", type=parse_batches, metavar="B,B,...",
@@ -169,8 +171,11 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[list[str], Config, arg
         raise BenchError(f"--shrink must be at least 1, not {args.shrink}")
     if args.seeds < 1:
         raise BenchError(f"--seeds must be at least 1, not {args.seeds}")
+    if args.rounds < 1:
+        raise BenchError(f"--rounds must be at least 1, not {args.rounds}")
     cfg = Config(args.device, args.mode, args.precision, args.providers, args.backward, args.seeds,
-                 list(args.size) if args.size else None, args.shrink, args.atol, args.rtol, args.warmup, args.rep)
+                 list(args.size) if args.size else None, args.shrink, args.atol, args.rtol, args.warmup, args.rep,
+                 args.rounds)
     return args.problems, cfg, args
 
 

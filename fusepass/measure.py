@@ -71,6 +71,7 @@ class Result:
     median_ms: float = math.nan
     p20_ms: float = math.nan
     p80_ms: float = math.nan
+    round_medians_ms: Optional[list[float]] = None  # each interleaved round's median (Config.rounds)
     peak_mb: float = math.nan  # everything the bench process holds at the call's peak
     own_peak_mb: float = math.nan  # the call's own: its peak above what was allocated just before it
     speedup_vs_eager: Optional[float] = None
@@ -95,6 +96,9 @@ class Config:
     rtol: Optional[float]
     warmup_ms: int
     rep_ms: int
+    # Timing rounds, interleaved across the providers, rep_ms shared among them: a host-bound step's time
+    # drifts within a process by more than providers differ, and rounds spread the drift over all of them.
+    rounds: int = 1
     results: list[Result] = field(default_factory=list)
 
 
@@ -247,32 +251,65 @@ class Run:
         return [p for model in (*self.models.values(), self.reference) for p in model.parameters()]
 
     def time_all(self, progress: Callable[[str], None]) -> None:
+        """Every correct provider in `rounds` interleaved rounds (each round starting one provider later),
+        then its peak memory; the median and percentiles are over all rounds' calls."""
         inputs = problem_inputs(self.module, self.cfg.device)
-        for provider, result in self.results.items():
-            if not result.correct:
-                continue
-            progress(f"{provider}: timing")
-            fn = self.provider_call(provider, inputs)
-            try:
-                with counting_fusepass(result):
-                    times = measure(fn, self.cfg, list(self.models[provider].parameters()))
-                    peak_mb, own_peak_mb = peak_memory_mb(fn, self.cfg.device, self._every_parameter())
-            except Exception as exc:  # a provider that crashes while timed is wrong, not a reason to stop
-                result.failure = f"while timing: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-                result.correct = False
-                continue
-            result.failure = fallback_failure(result)
-            if result.failure:  # a recompilation while timing fell back
-                result.correct = False
-                continue
-            result.median_ms = statistics.median(times)
-            result.p20_ms, result.p80_ms = _quantile(times, 0.2), _quantile(times, 0.8)
-            result.peak_mb, result.own_peak_mb = peak_mb, own_peak_mb
+        fns = {p: self.provider_call(p, inputs) for p, result in self.results.items() if result.correct}
+        rounds, providers = {p: [] for p in fns}, list(fns)
+        for index in range(self.cfg.rounds):
+            start = index % max(len(providers), 1)
+            for provider in (p for p in providers[start:] + providers[:start] if p in fns):
+                progress(f"{provider}: timing" + (f", round {index + 1} of {self.cfg.rounds}"
+                                                  if self.cfg.rounds > 1 else ""))
+                times = self._time_one(provider, fns[provider])
+                if times is None:
+                    del fns[provider]
+                else:
+                    rounds[provider].append(times)
+        for provider, fn in fns.items():
+            self._record_times(provider, fn, rounds[provider])
         eager, inductor = self.results.get("eager"), self.results.get("inductor")
         for result in self.results.values():
             if result.correct:
                 result.speedup_vs_eager = _ratio(eager, result)
                 result.speedup_vs_inductor = _ratio(inductor, result)
+
+    def _time_one(self, provider: str, fn: Callable) -> Optional[list[float]]:
+        """One round's call times of a provider, or None (and the result marked wrong) if it crashed or a
+        recompilation fell back."""
+        result = self.results[provider]
+        try:
+            with counting_fusepass(result):
+                times = measure(fn, self.cfg, list(self.models[provider].parameters()),
+                                rep_ms=self.cfg.rep_ms / self.cfg.rounds)
+        except Exception as exc:  # a provider that crashes while timed is wrong, not a reason to stop
+            result.failure = _while_timing(exc)
+        else:
+            result.failure = fallback_failure(result)
+        if result.failure:
+            result.correct = False
+            return None
+        return times
+
+    def _record_times(self, provider: str, fn: Callable, rounds: list[list[float]]) -> None:
+        result = self.results[provider]
+        try:
+            with counting_fusepass(result):
+                result.peak_mb, result.own_peak_mb = peak_memory_mb(fn, self.cfg.device, self._every_parameter())
+        except Exception as exc:
+            result.failure = _while_timing(exc)
+        result.failure = result.failure or fallback_failure(result)
+        if result.failure:
+            result.correct = False
+            return
+        times = [t for round_times in rounds for t in round_times]
+        result.median_ms = statistics.median(times)
+        result.p20_ms, result.p80_ms = _quantile(times, 0.2), _quantile(times, 0.8)
+        result.round_medians_ms = [statistics.median(round_times) for round_times in rounds]
+
+
+def _while_timing(exc: Exception) -> str:
+    return f"while timing: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
 
 def fallback_failure(result: Result) -> Optional[str]:
@@ -283,15 +320,15 @@ def fallback_failure(result: Result) -> Optional[str]:
     return None
 
 
-def measure(fn: Callable, cfg: Config, params: list) -> list[float]:
-    """Per-call times in ms: CUDA events via triton.testing.do_bench (L2 flushed between calls), or
-    a host clock on CPU."""
+def measure(fn: Callable, cfg: Config, params: list, rep_ms: float) -> list[float]:
+    """Per-call times in ms over about rep_ms: CUDA events via triton.testing.do_bench (L2 flushed between
+    calls), or a host clock on CPU."""
     if cfg.device == "cuda":
-        return triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, grad_to_none=params,
+        return triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=rep_ms, grad_to_none=params,
                                        return_mode="all")
     for _ in range(3):
         fn()
-    times, deadline = [], time.perf_counter() + cfg.rep_ms / 1000
+    times, deadline = [], time.perf_counter() + rep_ms / 1000
     while time.perf_counter() < deadline or len(times) < 5:
         start = time.perf_counter()
         fn()

@@ -4,6 +4,7 @@ statistics, fallbacks, dropped parameters), error paths; the GPU tools built on 
 import dataclasses
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,8 +54,18 @@ def test_cli_reports_verdicts_and_writes_json(tmp_path, capsys):
         assert r["size"] == expected_size
         # one chain per problem, compiled once per mode; nothing of fusepass's in the other providers
         assert r["fusepass_rewrites"] == (1 if r["provider"] == "fusepass" else 0) and r["fusepass_fallbacks"] == 0
+        assert len(r["round_medians_ms"]) == 3 and all(t > 0 for t in r["round_medians_ms"])  # --rounds 3
     eager = [r for r in results if r["provider"] == "eager"]
     assert all(r["speedup_vs_eager"] == 1.0 for r in eager)
+
+
+def test_timing_rounds_are_interleaved_each_starting_one_provider_later(capsys):
+    assert bench.main([str(PROBLEMS / "gemm_scale_batchnorm.py"), *FAST, "--mode", "train", "--rounds", "3"]) == 0
+    progress = capsys.readouterr().err.replace("\r", "\n")
+    timed = re.findall(r"(\w+): timing, round (\d) of 3", progress)
+    assert timed == [("eager", "1"), ("inductor", "1"), ("fusepass", "1"),
+                     ("inductor", "2"), ("fusepass", "2"), ("eager", "2"),
+                     ("fusepass", "3"), ("eager", "3"), ("inductor", "3")]
 
 
 def test_size_runs_the_problem_at_that_size(tmp_path, capsys):
@@ -133,6 +144,7 @@ def assert_one_error_line(capsys, message):
 @pytest.mark.parametrize("args, message", [
     (["--no-such-option"], "unrecognized arguments: --no-such-option"),
     (["--shrink", "0"], "--shrink must be at least 1"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
     (["--size", "1,2"], "argument --size: expected N,K,F"),
     (["--size", "8,0,8"], "argument --size: expected N,K,F"),
     (["--mode", "test"], "argument --mode: invalid choice"),

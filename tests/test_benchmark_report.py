@@ -99,9 +99,9 @@ def test_training_step_floor_counts_three_gemms(tmp_path):
     rows = [result("eager", 8.458), result("inductor", 6.344), result("fusepass", 4.229)]
     text = write_report(tmp_path, {"training": payload(rows, backward=True)})
     cells = table_line(text, "Training step", "gemm_scale_batchnorm 1024×8192→8192", "fp32")
-    assert cells[2:7] == ["8.458", "6.344", "4.229", "2.00×", "1.50×"]
-    assert cells[7:11] == ["-"] * 4  # no CUDA-graph providers measured
-    assert cells[11:] == ["2.499", "59%", "H200"]  # 3 * 0.8330 ms over 4.229 ms
+    assert cells[2:8] == ["8.458", "6.344", "4.229", "2.00×", "1.50×", "-"]  # "-": a file without rounds
+    assert cells[8:13] == ["-"] * 5  # no CUDA-graph providers measured
+    assert cells[13:] == ["2.499", "59%", "H200"]  # 3 * 0.8330 ms over 4.229 ms
     assert "Not measured" in section_text(text, "Forward, fp32")  # a training step is not a forward
 
 
@@ -113,8 +113,19 @@ def test_training_step_with_cuda_graphs_and_a_counted_flop_floor(tmp_path):
                           ("fusepass-cudagraphs", 4.5))]
     text = write_report(tmp_path, {"training": payload(rows, backward=True)})
     cells = table_line(text, "Training step", "mlp_batchnorm 4096×1024→256", "fp32")
-    assert cells[2:11] == ["12.000", "10.000", "6.000", "2.00×", "1.67×", "9.000", "4.500", "2.67×", "2.00×"]
-    assert cells[11] == f"{3 * flop / 165e12 * 1e3:.3f}"
+    assert cells[2:13] == ["12.000", "10.000", "6.000", "2.00×", "1.67×", "-", "9.000", "4.500", "2.67×", "2.00×",
+                           "-"]
+    assert cells[13] == f"{3 * flop / 165e12 * 1e3:.3f}"
+
+
+def test_training_step_shows_the_range_of_its_rounds_ratios(tmp_path):
+    rounds = {"inductor": [6.0, 6.6, 6.3], "fusepass": [5.0, 6.0, 4.5], "inductor-cudagraphs": [3.0, 3.0, 3.0],
+              "fusepass-cudagraphs": [2.0, 2.5, 3.0]}
+    rows = [result("eager", 8.0)] + [result(p, 5.0, round_medians_ms=ms) for p, ms in rounds.items()]
+    text = write_report(tmp_path, {"training": payload(rows, backward=True)})
+    cells = table_line(text, "Training step", "gemm_scale_batchnorm 1024×8192→8192", "fp32")
+    assert cells[7] == "1.10–1.40×"  # 6.6 / 6.0 and 6.3 / 4.5, round by round
+    assert cells[12] == "1.00–1.50×"  # 3.0 / 3.0 and 3.0 / 2.0
 
 
 def test_missing_provider_is_a_dash_and_a_wrong_one_says_so(tmp_path):

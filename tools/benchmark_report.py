@@ -443,12 +443,15 @@ def ratio_cell(numerator: Optional[Row], denominator: Optional[Row], key: str = 
     (above 1, fusepass is faster); the memory table, fusepass's peak over another's (below 1, it holds less).
     Only of two rows one run measured (one JSON file): a later run of some providers leaves the others' older
     rows beside them, on another day or machine."""
-    if numerator is None or denominator is None or not numerator.usable or not denominator.usable:
-        return MISSING
-    if numerator.source.path != denominator.source.path:
+    if not same_run(numerator, denominator):
         return MISSING
     a, b = numerator.result.get(key), denominator.result.get(key)
     return f"{a / b:.2f}×" if a is not None and b else MISSING
+
+
+def same_run(a: Optional[Row], b: Optional[Row]) -> bool:
+    """Both rows present and usable, from one run (one JSON file)."""
+    return a is not None and b is not None and a.usable and b.usable and a.source.path == b.source.path
 
 
 def problem_cell(problem: str, size: Optional[tuple]) -> str:
@@ -519,16 +522,27 @@ def gpu_cell(providers: dict[str, Row]) -> str:
     return device.removeprefix("NVIDIA ").split()[0]
 
 
-GRAPH_MODE_HEADERS = ["eager ms", "Inductor ms", "fusepass ms", "vs eager", "vs Inductor", "Inductor + graphs ms",
-                      "fusepass + graphs ms", "+ graphs vs eager", "+ graphs vs Inductor + graphs"]
+GRAPH_MODE_HEADERS = ["eager ms", "Inductor ms", "fusepass ms", "vs eager", "vs Inductor", "vs Inductor, rounds",
+                      "Inductor + graphs ms", "fusepass + graphs ms", "+ graphs vs eager",
+                      "+ graphs vs Inductor + graphs", "+ graphs vs Inductor + graphs, rounds"]
 
 
 def graph_mode_cells(providers: dict[str, Row]) -> list[str]:
     fused, graphs = providers.get("fusepass"), providers.get("fusepass-cudagraphs")
     return [*(ms_cell(providers.get(p)) for p in ("eager", "inductor", "fusepass")),
             ratio_cell(providers.get("eager"), fused), ratio_cell(providers.get("inductor"), fused),
+            rounds_cell(providers.get("inductor"), fused),
             *(ms_cell(providers.get(p)) for p in CUDA_GRAPH_PROVIDERS),
-            ratio_cell(providers.get("eager"), graphs), ratio_cell(providers.get("inductor-cudagraphs"), graphs)]
+            ratio_cell(providers.get("eager"), graphs), ratio_cell(providers.get("inductor-cudagraphs"), graphs),
+            rounds_cell(providers.get("inductor-cudagraphs"), graphs)]
+
+
+def rounds_cell(numerator: Optional[Row], denominator: Optional[Row]) -> str:
+    """The range of one row's round medians over another's, round by round: how far the ratio moved
+    within one run ("-" for files without rounds)."""
+    if not same_run(numerator, denominator):
+        return MISSING
+    return rounds_range(numerator.result.get("round_medians_ms"), denominator.result.get("round_medians_ms"))
 
 
 def small_table(rows: list[Row]) -> Optional[str]:
@@ -660,12 +674,14 @@ METHOD = """\
 Each provider runs its own copy of the same model; fusepass-bench first checks each one against a
 float64 copy on fresh input draws (a provider that is wrong, or whose graphs fell back to plain
 Inductor, shows "wrong" and is not timed), then times it with `triton.testing.do_bench` (CUDA events,
-L2 flushed between calls). Times are medians in ms. Train-mode forwards run with grad enabled (a
+L2 flushed between calls), in rounds interleaved across the providers where a file records them
+(`--rounds`, 3 by default since 2026-11-27). Times are medians in ms, over every round. Train-mode forwards run with grad enabled (a
 training step's forward); eval-mode forwards run under `torch.no_grad()`. max-autotune is Inductor's
 `mode="max-autotune-no-cudagraphs"`. "vs X" is X's median over fusepass's, both from one run (one JSON
 file; "-" where the newest rows of the two come from different runs): above 1, fusepass is faster.
 A median whose 20th and 80th percentiles are more than 1.5× apart has them beside it in parentheses:
-it is noise, not a result. "-" means not measured."""
+it is noise, not a result. A "rounds" column gives the lowest and highest of a ratio taken round by
+round: how far it moved within the run ("-" for a file without rounds). "-" means not measured."""
 
 
 def floor_text() -> str:
@@ -716,7 +732,8 @@ def multi_gpu_table(runs: list[tuple[Path, dict]]) -> Optional[str]:
             rows.append([r["problem"], "×".join(map(str, r["size"])), r["norm"], r["precision"],
                          *(f"{ms[p]:.3f}" for p in ("eager", "inductor", "fusepass")),
                          f"{ms['eager'] / ms['fusepass']:.2f}×", f"{ms['inductor'] / ms['fusepass']:.2f}×",
-                         rounds_range(r.get("round_ms")), str(r["fused"].get("rewrites", 0))])
+                         rounds_range(*(r.get("round_ms", {}).get(p) for p in ("inductor", "fusepass"))),
+                         str(r["fused"].get("rewrites", 0))])
     if not rows:
         return None
     return markdown(sorted(rows), ["problem", "batch per rank×in×out", "norm", "precision", "eager DDP ms",
@@ -724,11 +741,12 @@ def multi_gpu_table(runs: list[tuple[Path, dict]]) -> Optional[str]:
                                    "vs Inductor, rounds", "fused chains"])
 
 
-def rounds_range(round_ms: Optional[dict]) -> str:
-    """The lowest and highest of the rounds' Inductor-over-fusepass ratios, each round's medians."""
-    if not round_ms:
-        return "-"
-    ratios = [inductor / fusepass for inductor, fusepass in zip(round_ms["inductor"], round_ms["fusepass"])]
+def rounds_range(numerator: Optional[list[float]], denominator: Optional[list[float]]) -> str:
+    """The lowest and highest of the rounds' ratios (one provider's round medians over another's, round by
+    round), or "-" where either has no rounds."""
+    if not numerator or not denominator:
+        return MISSING
+    ratios = [a / b for a, b in zip(numerator, denominator)]
     return f"{min(ratios):.2f}–{max(ratios):.2f}×"
 
 
