@@ -832,7 +832,7 @@ def test_traced_softmax_chain_launches_only_its_own_kernels(gemm, kernels, _):
 @pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY)], ids=["cuda"])
 def test_running_statistics_are_stored_by_one_kernel(_):
     """Training: the op's new running mean and variance reach the module's buffers through one foreach
-    copy, which Inductor writes in one kernel (two copy_ calls were two launches); the buffers are
+    copy, which Inductor writes in one kernel (two copy_ calls take two launches); the buffers are
     eager's."""
     torch.manual_seed(9)
     model = ChainModel(96, 80).cuda().train()

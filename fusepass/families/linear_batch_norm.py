@@ -161,7 +161,7 @@ def replace(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Kern
         if bn.updates_running_stats:
             new_values = [graph.call_function(operator.getitem, (fused, ChainOutputs._fields.index(name)))
                           for name in ("new_running_mean", "new_running_var")]
-            # One foreach copy: Inductor writes both buffers in one kernel (two copy_ calls were two launches).
+            # One foreach copy: Inductor writes both buffers in one kernel, where two copy_ calls take two launches.
             graph.call_function(torch._foreach_copy_, ([bn.running_mean, bn.running_var], new_values))
     carry_sources([n for n in graph.nodes if n not in before], match.nodes)
     last.replace_all_uses_with(out)
