@@ -224,26 +224,6 @@ def test_a_tf32_backwards_roundings_are_made_in_the_backward_on_cuda():
     assert "_tf32_split_kernel" in backward_code
 
 
-@requires_cuda
-@pytest.mark.cuda
-def test_a_tf32_weight_gradients_blocks_are_rounded_one_at_a_time_on_cuda(monkeypatch):
-    """TF32, tuning off, 1024 x 8192 -> 8192, x without a gradient: the weight gradient rounds x^T in two
-    blocks of 16 MiB (linear.run_in_blocks), each block's rounding launched after the GEMM of the block
-    before it, so that one block's copy is live at a time (ordered by their data alone, Inductor made both
-    roundings first: 32 MiB at once)."""
-    monkeypatch.setenv("FUSEPASS_TUNE", "0")
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    torch._dynamo.reset()
-    torch.manual_seed(6)
-    model = torch.compile(ChainModel(8192, 8192).cuda(), backend="fusepass")
-    x = torch.randn(1024, 8192, device="cuda")
-    _, (_, backward_code) = run_fw_bw_and_get_code(lambda: model(x).sum())
-    assert_fused(rewrites=1)
-    launched = [re.sub(r"_\d+$", "", name) for name in re.findall(r"(\w+)\.run\(", backward_code)]
-    order = [name for name in launched if name in ("_tf32_split_kernel", "_gemm_kernel")]
-    assert order == ["_tf32_split_kernel", "_gemm_kernel"] * 2, launched
-
-
 def test_stored_is_a_stride_preserving_store_when_traced_and_the_tensor_itself_in_eager():
     t = torch.randn(6, 5, requires_grad=True) * 2
     assert launch.stored(t) is t

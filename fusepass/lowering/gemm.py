@@ -354,33 +354,28 @@ def needs_k_major_copy(weight: Tensor, precision: str) -> bool:
             and weight.stride(1) != 1)
 
 
-def _prepare_operands(x: Tensor, weight: Tensor, precision: str, after: Optional[Tensor] = None
-                      ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+def _prepare_operands(x: Tensor, weight: Tensor, precision: str) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """(x, weight, lo) as the kernel reads them: the operand the precision prepares in memory replaced by
-    its tf32 hi, and lo its low half where split (else None), in buffers k columns wide or a little more.
-    The preparation is made after `after` exists, by default the other operand (split_tf32's `after`): in
-    a backward, after the gradient."""
+    its tf32 hi, and lo its low half where split (else None), in buffers k columns wide or a little more."""
     how = prepared(precision)
     if how is None:
         return x, weight, None
+    # Made after the other operand exists (split_tf32's `after`): in a backward, after the gradient.
     of_x = how.operand == "x"
     operand, other = (x, weight) if of_x else (weight, x)
-    after = other if after is None else after
-    hi, lo = split_tf32(operand, after) if how.parts == 2 else (round_tf32(operand, after), None)
+    hi, lo = split_tf32(operand, other) if how.parts == 2 else (round_tf32(operand, other), None)
     return (hi, weight, lo) if of_x else (x, hi, lo)
 
 
 def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: GemmConfig,
                epilogue: int = EPILOGUE_LINEAR.value, store_y: bool = True, scale_before: Scale = Scale(),
-               eval_norm: Optional[EvalNormalization] = None, prepare_after: Optional[Tensor] = None
-               ) -> GemmOutputs:
-    """One launch: x @ W^T + b into y's columns y_col0 on, and the epilogue's other outputs (new). An operand
-    prepared in memory is prepared after `prepare_after` exists (_prepare_operands)."""
+               eval_norm: Optional[EvalNormalization] = None) -> GemmOutputs:
+    """One launch: x @ W^T + b into y's columns y_col0 on, and the epilogue's other outputs (new)."""
     x, weight, bias = linear.x, linear.weight, linear.bias
     m, k = x.shape
     n = weight.shape[0]
     device = x.device
-    x, weight, lo = _prepare_operands(x, weight, precision, prepare_after)
+    x, weight, lo = _prepare_operands(x, weight, precision)
     # The operands' shapes from here on are (m, k) and (n, k), whatever their buffers' widths.
     if needs_k_major_copy(weight, precision):
         weight = weight.contiguous()

@@ -131,17 +131,16 @@ def run_in_blocks(linear: Linear, precision: str, config: gemm_configs.GemmConfi
     """x @ W^T + b on the Triton GEMM, in blocks of W's rows (y's columns) where the GEMM copies W: each
     block's copies take at most `copy_bytes`, not W's size again, and are freed after its GEMM, unless a
     block would then have fewer output tiles than `block_tiles` (default BLOCK_WAVES waves of the GPU's
-    SMs) rounded down to whole column tiles (at least one). Each block's copies are made after y holds the
-    block before it: traced, Inductor orders the kernels by their data alone, and without that it made a
-    block's copies before the last block's GEMM (a TF32 weight gradient at 1024 x 8192 -> 8192 on an H100
-    held both blocks' roundings at once, 16 MiB each)."""
+    SMs) rounded down to whole column tiles (at least one). Traced, Inductor orders the blocks' kernels
+    and may make a block's copies before the last block's GEMM (seen: a TF32 weight gradient at 1024 x
+    8192 -> 8192 on an H100 held both blocks' roundings at once, 16 MiB each)."""
     x, weight, bias = linear.x, linear.weight, linear.bias
     m, n = x.shape[0], weight.shape[0]
     y = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
     rows = _block_rows(linear, precision, config, copy_bytes, block_tiles)
     for n0 in range(0, n, rows):
         block = Linear(x, weight[n0:n0 + rows], bias[n0:n0 + rows] if bias is not None else None)
-        gemm.gemm_into(y, n0, block, precision, config, prepare_after=y if n0 else None)
+        gemm.gemm_into(y, n0, block, precision, config)
     return y
 
 

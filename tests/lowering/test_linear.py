@@ -67,20 +67,17 @@ def test_blocks_of_w_bound_its_copies_and_change_no_bit(layout, precision, block
     96 columns (one block), 7 take 64, 5 one column tile (32 columns: the copy's bound decides)."""
     a, b = _operands(layout, 37, 24, 70, seed=3)
     whole = gemm.run_gemm(gemm.Linear(a, b, None), precision, SMALL).y
-    launched, prepared_after_y = [], []
+    launched = []
     gemm_into = gemm.gemm_into
 
-    def recording(y, y_col0, block, *rest, prepare_after=None):
+    def recording(y, y_col0, block, *rest):
         launched.append(block.weight.shape[0])
-        prepared_after_y.append(prepare_after is y)
-        return gemm_into(y, y_col0, block, *rest, prepare_after=prepare_after)
+        return gemm_into(y, y_col0, block, *rest)
     monkeypatch.setattr(gemm, "gemm_into", recording)
     bound = 2 * SMALL.block_n * 24 * 4  # one column tile's split of a 24-wide fp32 W
     y = linear.run_in_blocks(gemm.Linear(a, b, None), precision, SMALL, copy_bytes=bound, block_tiles=1)
     assert torch.equal(y, whole)
     assert launched == blocks
-    # Each block after the first prepares its copies after y holds the blocks before it.
-    assert prepared_after_y == [False] + [True] * (len(blocks) - 1)
     launched.clear()
     linear.run_in_blocks(gemm.Linear(a, b, None), precision, SMALL, copy_bytes=bound, block_tiles=9)
     assert launched == [70]
