@@ -159,14 +159,16 @@ def _compile_fallback(original: GraphModule, example_inputs: list, opts: Options
 
 def mutated_input_positions(gm: GraphModule) -> list[int]:
     """Positions of the graph inputs that the graph changes in place (running statistics, counters):
-    the first argument of an in-place call (PyTorch names them with a trailing underscore)."""
+    the first argument of an in-place call (PyTorch names them with a trailing underscore), every tensor
+    of it for a foreach call."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     mutated = set()
     for node in gm.graph.nodes:
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         in_place = isinstance(name, str) and name.endswith("_") and not name.endswith("__")
-        if in_place and node.args and node.args[0] in placeholders:
-            mutated.add(node.args[0])
+        if in_place and node.args:
+            first = node.args[0]
+            mutated.update(t for t in (first if isinstance(first, (list, tuple)) else [first]) if t in placeholders)
     return [i for i, p in enumerate(placeholders) if p in mutated]
 
 

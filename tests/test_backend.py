@@ -587,8 +587,9 @@ def test_fused_op_failing_at_first_call_falls_back_without_double_update(monkeyp
 
 def _break_first_fused_compile(monkeypatch, how, error=RuntimeError("simulated first-call failure")):
     """compile_fx, but the first graph compiled (the fused one) fails: when compiled ("compile") or on its
-    first call ("call", raising `error`). The fallback's own compile_fx is the real one. A compile that
-    Dynamo restarts (RestartAnalysis from inside compile_fx) is not the first graph compiled."""
+    first call, raising `error` before it runs ("call") or after it ran and changed its inputs in place
+    ("call after running"). The fallback's own compile_fx is the real one. A compile that Dynamo restarts
+    (RestartAnalysis from inside compile_fx) is not the first graph compiled."""
     real, calls, compiled_once = fusepass.backend.compile_fx, [], []
 
     def first_fails(gm, example_inputs, config_patches=None):
@@ -604,6 +605,8 @@ def _break_first_fused_compile(monkeypatch, how, error=RuntimeError("simulated f
         def fails_once(*args):
             if not state["failed"]:
                 state["failed"] = True
+                if how == "call after running":
+                    compiled(*args)
                 raise error
             return compiled(*args)
         return fails_once
@@ -612,11 +615,12 @@ def _break_first_fused_compile(monkeypatch, how, error=RuntimeError("simulated f
     return calls
 
 
-@pytest.mark.parametrize("how", ["compile", "call"])
+@pytest.mark.parametrize("how", ["compile", "call", "call after running"])
 @pytest.mark.parametrize("training", [True, False])
 def test_fused_graph_failing_falls_back_and_takes_its_rewrites_back(monkeypatch, how, training):
-    """Whatever makes the fused graph fail (compiling it, or its first call), the graph runs on the
-    fallback with eager's results, running statistics updated once, and counts no rewrite."""
+    """Whatever makes the fused graph fail (compiling it, or its first call, even after it wrote the running
+    statistics), the graph runs on the fallback with eager's results, running statistics updated once,
+    and counts no rewrite."""
     calls = _break_first_fused_compile(monkeypatch, how)
     torch.manual_seed(9)
     # No pre-BN scale and no linear bias: unfused, their training gradients would be rounding noise.

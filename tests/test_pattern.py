@@ -1,12 +1,14 @@
 """The matcher and the rewrite on Dynamo graphs: ops before/after and exact match counts."""
 
 import operator
+import re
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fusepass.backend import mutated_input_positions
 from fusepass.families import linear_batch_norm
 from fusepass.families.linear_batch_norm import FUSED_OP
 from fusepass.lowering.schema import KernelOptions
@@ -74,6 +76,10 @@ def test_rewrite_replaces_the_chain(kwargs, training):
     assert count_methods(gm, "copy_") == 0
     # num_batches_tracked.add_ stays in the graph, untouched.
     assert count_methods(gm, "add_") == (1 if updates_stats else 0)
+    # What the backend restores if the fused graph's first call fails: the buffers both calls write.
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    restored = sorted(re.sub(r".*buffers_|_$", "", placeholders[i]) for i in mutated_input_positions(gm))
+    assert restored == (["num_batches_tracked", "running_mean", "running_var"] if updates_stats else [])
 
 
 def test_python_number_and_tensor_scale_are_normalized():
