@@ -677,9 +677,9 @@ Inductor, shows "wrong" and is not timed), then times it with `triton.testing.do
 L2 flushed between calls), in rounds interleaved across the providers where a file records them
 (`--rounds`, 3 by default since 2026-11-27). Times are medians in ms, over every round. Train-mode
 forwards run with grad enabled (a training step's forward); eval-mode forwards run under
-`torch.no_grad()`. max-autotune is Inductor's
-`mode="max-autotune-no-cudagraphs"`. "vs X" is X's median over fusepass's, both from one run (one JSON
-file; "-" where the newest rows of the two come from different runs): above 1, fusepass is faster.
+`torch.no_grad()`. max-autotune is Inductor's `mode="max-autotune-no-cudagraphs"`. "vs X" is X's
+median over fusepass's, both from one run (one JSON file; "-" where the newest rows of the two come
+from different runs): above 1, fusepass is faster.
 A median whose 20th and 80th percentiles are more than 1.5× apart has them beside it in parentheses:
 it is noise, not a result. A "rounds" column gives the lowest and highest of a ratio taken round by
 round: how far it moved within the run ("-" for a file without rounds). "-" means not measured."""
