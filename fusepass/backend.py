@@ -157,10 +157,15 @@ def _compile_fallback(original: GraphModule, example_inputs: list, opts: Options
     return compile_fx(original, example_inputs, config_patches=opts.inductor_patches)
 
 
+# Calls the graph holds whole that change some of their arguments in place, by position: the standalone
+# SyncBatchNorm writes its running statistics.
+IN_PLACE_ARGUMENTS = {sync_batch_norm.sync_batch_norm: (1, 2)}
+
+
 def mutated_input_positions(gm: GraphModule) -> list[int]:
     """Positions of the graph inputs that the graph changes in place (running statistics, counters):
     the first argument of an in-place call (PyTorch names them with a trailing underscore), every tensor
-    of it for a foreach call."""
+    of it for a foreach call, and the arguments IN_PLACE_ARGUMENTS names."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     mutated = set()
     for node in gm.graph.nodes:
@@ -168,7 +173,9 @@ def mutated_input_positions(gm: GraphModule) -> list[int]:
         in_place = isinstance(name, str) and name.endswith("_") and not name.endswith("__")
         if in_place and node.args:
             first = node.args[0]
-            mutated.update(t for t in (first if isinstance(first, (list, tuple)) else [first]) if t in placeholders)
+            mutated.update(first if isinstance(first, (list, tuple)) else [first])
+        if node.op == "call_function" and node.target in IN_PLACE_ARGUMENTS:
+            mutated.update(node.args[i] for i in IN_PLACE_ARGUMENTS[node.target] if i < len(node.args))
     return [i for i, p in enumerate(placeholders) if p in mutated]
 
 

@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 
 import fusepass.backend
 import fusepass.lowering.op as lowering
+import fusepass.sync_batch_norm
 from fusepass.lowering import choice
 from fusepass.backend import FusepassFallbackWarning
 from fusepass.lowering.tuning import source_hash
@@ -583,6 +584,18 @@ def test_fused_op_failing_at_first_call_falls_back_without_double_update(monkeyp
     assert torch.equal(trio.fused.bn.num_batches_tracked, trio.eager.bn.num_batches_tracked)
     # The graph compiled with its rewrite, then fell back: that rewrite is not in use.
     assert fusepass_counts() == {"graphs": 1, "rewrites": 0, "fallbacks": 1}
+
+
+def test_the_first_call_guard_restores_what_a_lone_sync_batch_norm_writes():
+    """A SyncBatchNorm that heads no chain is one call in the graph (fusepass.sync_batch_norm), which writes
+    its running statistics: the guard restores them before a fallback runs, and the counter its module's
+    forward increments in place."""
+    graph = torch.fx.Graph()
+    x, mean, var, count, weight, bias = (graph.placeholder(n) for n in ("x", "mean", "var", "count", "w", "b"))
+    graph.call_method("add_", (count, 1))
+    graph.output(graph.call_function(fusepass.sync_batch_norm.sync_batch_norm,
+                                     (x, mean, var, weight, bias, True, 0.1, 1e-5, "group")))
+    assert fusepass.backend.mutated_input_positions(torch.fx.GraphModule({}, graph)) == [1, 2, 3]
 
 
 def _break_first_fused_compile(monkeypatch, how, error=RuntimeError("simulated first-call failure")):
