@@ -167,16 +167,16 @@ def mutated_input_positions(gm: GraphModule) -> list[int]:
     the first argument of an in-place call (PyTorch names them with a trailing underscore), every tensor
     of it for a foreach call, and the arguments IN_PLACE_ARGUMENTS names."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    mutated = set()
+    written = []
     for node in gm.graph.nodes:
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         in_place = isinstance(name, str) and name.endswith("_") and not name.endswith("__")
         if in_place and node.args:
             first = node.args[0]
-            mutated.update(first if isinstance(first, (list, tuple)) else [first])
+            written += first if isinstance(first, (list, tuple)) else [first]
         if node.op == "call_function" and node.target in IN_PLACE_ARGUMENTS:
-            mutated.update(node.args[i] for i in IN_PLACE_ARGUMENTS[node.target] if i < len(node.args))
-    return [i for i, p in enumerate(placeholders) if p in mutated]
+            written += [node.args[i] for i in IN_PLACE_ARGUMENTS[node.target] if i < len(node.args)]
+    return [i for i, p in enumerate(placeholders) if any(p is w for w in written)]
 
 
 class _FirstCallGuard:
