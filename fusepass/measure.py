@@ -275,41 +275,37 @@ class Run:
                 result.speedup_vs_inductor = _ratio(inductor, result)
 
     def _time_one(self, provider: str, fn: Callable) -> Optional[list[float]]:
-        """One round's call times of a provider, or None (and the result marked wrong) if it crashed or a
-        recompilation fell back."""
-        result = self.results[provider]
-        try:
-            with counting_fusepass(result):
-                times = measure(fn, self.cfg, list(self.models[provider].parameters()),
-                                rep_ms=self.cfg.rep_ms / self.cfg.rounds)
-        except Exception as exc:  # a provider that crashes while timed is wrong, not a reason to stop
-            result.failure = _while_timing(exc)
-        else:
-            result.failure = fallback_failure(result)
-        if result.failure:
-            result.correct = False
-            return None
-        return times
+        """One round's call times of a provider, or None (the result marked wrong)."""
+        params = list(self.models[provider].parameters())
+        return _checked(self.results[provider],
+                        lambda: measure(fn, self.cfg, params, rep_ms=self.cfg.rep_ms / self.cfg.rounds))
 
     def _record_times(self, provider: str, fn: Callable, rounds: list[list[float]]) -> None:
         result = self.results[provider]
-        try:
-            with counting_fusepass(result):
-                result.peak_mb, result.own_peak_mb = peak_memory_mb(fn, self.cfg.device, self._every_parameter())
-        except Exception as exc:
-            result.failure = _while_timing(exc)
-        result.failure = result.failure or fallback_failure(result)
-        if result.failure:
-            result.correct = False
+        peaks = _checked(result, lambda: peak_memory_mb(fn, self.cfg.device, self._every_parameter()))
+        if peaks is None:
             return
+        result.peak_mb, result.own_peak_mb = peaks
         times = [t for round_times in rounds for t in round_times]
         result.median_ms = statistics.median(times)
         result.p20_ms, result.p80_ms = _quantile(times, 0.2), _quantile(times, 0.8)
         result.round_medians_ms = [statistics.median(round_times) for round_times in rounds]
 
 
-def _while_timing(exc: Exception) -> str:
-    return f"while timing: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+def _checked(result: Result, call: Callable[[], Any]) -> Optional[Any]:
+    """call()'s value, or None with the result marked wrong where it crashed (a provider that crashes while
+    timed is wrong, not a reason to stop) or a recompilation inside it fell back."""
+    try:
+        with counting_fusepass(result):
+            value = call()
+    except Exception as exc:
+        result.failure = f"while timing: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    else:
+        result.failure = fallback_failure(result)
+    if result.failure:
+        result.correct = False
+        return None
+    return value
 
 
 def fallback_failure(result: Result) -> Optional[str]:
