@@ -11,6 +11,8 @@ to rounding noise.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -85,15 +87,18 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
                     grads[f"tail_tensor_{slot}"] = grad
     # g is now the gradient w.r.t. the batch_norm output
 
-    g_hat = g * bn_weight.float() if bn_weight is not None else g
-    sum_g_xhat = (g_hat * x_hat).sum(0)
+    # The backward's only two column sums, which are also gamma's and beta's gradients; those of
+    # g_hat = g * gamma are them times gamma, a per-feature constant (as eager's batch-norm backward
+    # takes them), not two more reductions.
+    sum_g, sum_g_xhat = g.sum(0), (g * x_hat).sum(0)
+    gamma = bn_weight.float() if bn_weight is not None else None
+    batch_g, batch_g_xhat, count = sum_g, sum_g_xhat, g.shape[0]
     if ctx.group_name:  # SyncBatchNorm: the statistics are every rank's, so are the sums projected out
-        sum_g, sum_g_xhat, count = sync.all_reduce_sums(g_hat.sum(0), sum_g_xhat, g.shape[0], ctx.group_name)
-        grad_z = (g_hat - sum_g / count - x_hat * (sum_g_xhat / count)) * invstd
-    elif ctx.training:  # batch statistics depend on z: project out the mean and the x_hat component
-        grad_z = (g_hat - g_hat.mean(0) - x_hat * (sum_g_xhat / g.shape[0])) * invstd
+        batch_g, batch_g_xhat, count = sync.all_reduce_sums(sum_g, sum_g_xhat, count, ctx.group_name)
+    if ctx.training or ctx.group_name:  # batch statistics depend on z: project out the mean and x_hat
+        grad_z = (g - batch_g / count - x_hat * (batch_g_xhat / count)) * _times(gamma, invstd)
     else:
-        grad_z = g_hat * invstd
+        grad_z = g * _times(gamma, invstd)
     grad_y = stored((grad_z * s1.factor()).to(linear_out.dtype))  # read by every block of dX and dW
 
     if need.linear.weight:  # first: x, read by nothing else here, may then be freed before dX is made
@@ -108,12 +113,17 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
     if need.linear.bias:
         grads["linear_bias"] = _linear_bias_grad(ctx, grad_y)
     if need.scale_before.tensor:
-        grads["scale_before_tensor"] = _scale_grad(ctx, s1, grad_z, y, g_hat, sum_g_xhat, invstd)
+        grads["scale_before_tensor"] = _scale_grad(ctx, s1, grad_z, y, g, gamma, _times(gamma, batch_g_xhat), invstd)
     if need.batch_norm.weight:
-        grads["batch_norm_weight"] = (g * x_hat).sum(0).to(bn_weight.dtype)
+        grads["batch_norm_weight"] = sum_g_xhat.to(bn_weight.dtype)
     if need.batch_norm.bias:
-        grads["batch_norm_bias"] = g.sum(0).to(bn_bias.dtype)
+        grads["batch_norm_bias"] = sum_g.to(bn_bias.dtype)
     return gradients_in_op_order(grads)
+
+
+def _times(gamma: Optional[Tensor], t: Tensor) -> Tensor:
+    """t scaled by the batch norm's weight, where it has one."""
+    return gamma * t if gamma is not None else t
 
 
 def _relu_backward(g: Tensor, bn_out: Tensor) -> Tensor:
@@ -133,25 +143,27 @@ def _linear_bias_grad(ctx, grad_y: Tensor) -> Tensor:
     return grad_y.float().sum(0).to(ctx.bias_dtype)
 
 
-def _scale_grad(ctx, scale: Scale, grad_z: Tensor, y: Tensor, g_hat: Tensor, sum_g_xhat: Tensor,
-                invstd: Tensor) -> Tensor:
+def _scale_grad(ctx, scale: Scale, grad_z: Tensor, y: Tensor, g: Tensor, gamma: Optional[Tensor],
+                sum_g_hat_xhat: Tensor, invstd: Tensor) -> Tensor:
+    """The pre-BN scale's gradient, from g (the gradient w.r.t. the batch norm's output), gamma and
+    sum(g_hat * x_hat), g_hat = g * gamma."""
     # Synced, the closed form below would need every rank's y: this rank's part of the gradient is the
     # direct sum, as eager's
     if not ctx.training or ctx.group_name:
         return pointwise.reduce_to((grad_z * y).sum(0), scale.tensor)
     if statically_known_true(y.shape[0] == 0):  # no rows, no gradient; their statistics are NaN
-        return pointwise.reduce_to(torch.zeros_like(sum_g_xhat), scale.tensor)
+        return pointwise.reduce_to(torch.zeros_like(sum_g_hat_xhat), scale.tensor)
     s = scale.factor()
     # Scaling a feature changes its normalized value only through eps, so the direct sum(grad_z * y)
     # cancels almost completely. Its exact value, sum(g_hat * x_hat) * eps * invstd^2 / s, does not
     # (derivation: sum(grad_z) = sum(x_hat) = 0 and mean(x_hat^2) = var * invstd^2).
-    closed_form = sum_g_xhat * ctx.eps * invstd * invstd / s
-    # At s == 0, x_hat is 0 and the gradient is invstd * sum((g_hat - mean(g_hat)) * y): the co-moment of
-    # g_hat and y. It is taken from column sums of the same kind as sum_g_xhat, which the compiled
-    # backward makes in the same reduction (the direct form needs a second pass over an (N, F) grad_z):
-    # in float64, where products of fp32 values are exact, and shifted by the first row, so that a
-    # constant g_hat gives exactly 0.
-    g64, y64 = g_hat.double(), y.double()
+    closed_form = sum_g_hat_xhat * ctx.eps * invstd * invstd / s
+    # At s == 0, x_hat is 0 and the gradient is invstd * sum((g_hat - mean(g_hat)) * y): gamma times the
+    # co-moment of g and y. It is taken from column sums of the same kind as the backward's, which the
+    # compiled backward makes in the same reduction (the direct form needs a second pass over an (N, F)
+    # grad_z): in float64, where products of fp32 values are exact, and shifted by the first row, so that
+    # a constant g gives exactly 0.
+    g64, y64 = g.double(), y.double()
     dg, dy = g64 - g64[:1], y64 - y64[:1]
-    co_moment = ((dg * dy).sum(0) - dg.sum(0) * (dy.sum(0) / y.shape[0])).float()
+    co_moment = _times(gamma, ((dg * dy).sum(0) - dg.sum(0) * (dy.sum(0) / y.shape[0])).float())
     return pointwise.reduce_to(torch.where(s != 0, closed_form, invstd * co_moment), scale.tensor)

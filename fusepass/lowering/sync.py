@@ -64,7 +64,7 @@ def _chan(counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[Tensor, Tensor, T
 
 
 def all_reduce_sums(sum_g: Tensor, sum_g_xhat: Tensor, n_rows: int, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward's one collective: (sum g_hat, sum g_hat * x_hat, row count) summed over the ranks."""
+    """The backward's one collective: (sum g, sum g * x_hat, row count) summed over the ranks."""
     n_features = sum_g.shape[0]
     dtype = accumulation_dtype(sum_g.dtype)
     local = torch.cat([sum_g.to(dtype), sum_g_xhat.to(dtype), sum_g.new_full((1,), float(n_rows), dtype=dtype)])

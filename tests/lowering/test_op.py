@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fusepass.lowering import op
 from fusepass.lowering.schema import FLAT_NAMES, ChainArgs, ChainOutputs, KernelOptions, flat_fields, flatten, unflatten
@@ -229,6 +230,39 @@ def test_what_the_op_saves_for_its_backward(softmax):
     not_inputs = [t for t in saved if not any(t is i for i in inputs if i is not None)]
     assert sorted(tuple(t.shape) for t in not_inputs) == sorted([(48, 40)] * (1 + softmax) + [(40,), (40,)])
     assert not any(t is bn.running_mean or t is bn.running_var for t in saved)
+
+
+class ColumnSums(TorchDispatchMode):
+    """Records the dtype of every sum over dim 0 of a 2-D tensor dispatched while active."""
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.sum.dim_IntList and args[0].dim() == 2 and list(args[1]) == [0]:
+            self.dtypes.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("scale", [None, "per_feature"])
+def test_backward_takes_two_column_sums(training, scale):
+    """In training the backward reduces the (N, F) gradient to two column sums, of g and g * x_hat, which
+    are also the batch norm's weight and bias gradients; those of g * gamma are derived, not summed
+    again, and the linear bias's gradient is 0. The pre-BN scale's gradient adds the float64 co-moment's
+    three. In eval the linear bias's and the scale's gradients are column sums of their own."""
+    torch.manual_seed(0)
+    args = make_args(48, 24, 40, scale=scale, training=training, requires_grad=True, save_linear_out=True,
+                     device="cpu")
+    out = op.call(args).out
+    with ColumnSums() as sums:
+        out.backward(torch.randn_like(out))
+    if training:
+        expected = [torch.float32] * 2 + [torch.float64] * (3 if scale else 0)
+    else:
+        expected = [torch.float32] * (3 + (scale is not None))
+    assert sorted(sums.dtypes, key=str) == sorted(expected, key=str)
+    assert args.batch_norm.weight.grad is not None and args.batch_norm.bias.grad is not None
 
 
 def autocast_case(device, dtype=torch.bfloat16, **case):
