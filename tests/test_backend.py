@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 
 import fusepass.backend
 import fusepass.lowering.op as lowering
@@ -757,7 +758,6 @@ OPAQUE_CALL = "= torch.ops.fusepass.batch_norm_chain_opaque.default("
 
 def _compiled_code(model, *inputs) -> str:
     """Inductor's generated code for one forward of `model` compiled by fusepass."""
-    from torch._inductor.utils import run_and_get_code
     _out, code = run_and_get_code(torch.compile(model, backend="fusepass"), *inputs)
     return "\n".join(code)
 
@@ -788,7 +788,6 @@ def test_autocast_weight_is_cast_into_one_buffer(training, _):
     torch.manual_seed(7)
     model = ChainModel(32, 48).cuda().train(training)
     compiled = torch.compile(model, backend="fusepass", options={"gemm": "triton"})
-    from torch._inductor.utils import run_and_get_code
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _out, code = run_and_get_code(compiled, make_input(16, 32, "cuda"))
     forward = code[0]
@@ -815,7 +814,6 @@ def test_autocast_weight_cast_in_the_gemm_makes_no_cast_of_it(training, _, monke
     eager = copy.deepcopy(model)
     compiled = torch.compile(model, backend="fusepass", options={"gemm": "triton"})
     x = make_input(80, 72, "cuda")
-    from torch._inductor.utils import run_and_get_code
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out, code = run_and_get_code(compiled, x)
         expected = eager(x)
@@ -839,7 +837,6 @@ def test_traced_softmax_chain_launches_only_its_own_kernels(gemm, kernels, _):
     torch.manual_seed(8)
     model = ChainModel(256, 512, softmax="functional").cuda().eval()
     compiled = torch.compile(model, backend="fusepass", options={"gemm": gemm})
-    from torch._inductor.utils import run_and_get_code
     with torch.no_grad():
         _out, code = run_and_get_code(compiled, make_input(128, 256, "cuda"))
     launched = [re.sub(r"_\d+$", "", name) for name in re.findall(r"(\w+)\.run\(", code[0])]
@@ -856,13 +853,35 @@ def test_running_statistics_are_stored_by_one_kernel(_):
     eager = copy.deepcopy(model)
     compiled = torch.compile(model, backend="fusepass", options={"gemm": "cublas"})
     x = make_input(40, 96, "cuda")
-    from torch._inductor.utils import run_and_get_code
     _out, code = run_and_get_code(compiled, x)
     eager(x)
     launched = [re.sub(r"_\d+$", "", name) for name in re.findall(r"(\w+)\.run\(", code[0])]
     assert sum("copy" in name for name in launched) == 1, launched
     torch.testing.assert_close(model.bn.running_mean, eager.bn.running_mean, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model.bn.running_var, eager.bn.running_var, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY)], ids=["cuda"])
+def test_the_backward_launches_two_reductions_and_no_zero_fill(_):
+    """Training, a chain with a linear bias: the compiled backward reduces to its two column sums (g and
+    g * x_hat): one pass over the (N, F) gradient and, the reduction split, one second stage per sum
+    (four of them before the sums were shared); the bias's zero gradient comes out of them, not out of
+    a fill kernel of its own. The gradients are eager's, the bias's exactly 0."""
+    torch.manual_seed(10)
+    model = ChainModel(96, 80, scale=None).cuda().train()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="fusepass", options={"gemm": "cublas"})
+    x = make_input(300, 96, "cuda")
+    upstream = torch.randn(300, 80, device="cuda")
+    _out, (_forward, backward) = run_and_get_code(lambda: (compiled(x) * upstream).sum().backward())
+    (eager(x) * upstream).sum().backward()
+    launched = [re.sub(r"_\d+$", "", name) for name in re.findall(r"(\w+)\.run\(", backward)]
+    assert not any("zeros" in name or "fill" in name for name in launched), launched
+    assert sum(name.startswith(("triton_red", "triton_per")) for name in launched) <= 3, launched
+    assert torch.equal(model.linear.bias.grad, torch.zeros_like(model.linear.bias.grad))
+    for name in ("linear.weight", "bn.weight", "bn.bias"):
+        fused, reference = model.get_parameter(name).grad, eager.get_parameter(name).grad
+        torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-3, msg=name)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -92,13 +92,15 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
     # takes them), not two more reductions.
     sum_g, sum_g_xhat = g.sum(0), (g * x_hat).sum(0)
     gamma = bn_weight.float() if bn_weight is not None else None
+    g_hat = _times(gamma, g)
     batch_g, batch_g_xhat, count = sum_g, sum_g_xhat, g.shape[0]
     if ctx.group_name:  # SyncBatchNorm: the statistics are every rank's, so are the sums projected out
         batch_g, batch_g_xhat, count = sync.all_reduce_sums(sum_g, sum_g_xhat, count, ctx.group_name)
+    sum_g_hat_xhat = _times(gamma, batch_g_xhat)
     if ctx.training or ctx.group_name:  # batch statistics depend on z: project out the mean and x_hat
-        grad_z = (g - batch_g / count - x_hat * (batch_g_xhat / count)) * _times(gamma, invstd)
+        grad_z = (g_hat - _times(gamma, batch_g) / count - x_hat * (sum_g_hat_xhat / count)) * invstd
     else:
-        grad_z = g * _times(gamma, invstd)
+        grad_z = g_hat * invstd
     grad_y = stored((grad_z * s1.factor()).to(linear_out.dtype))  # read by every block of dX and dW
 
     if need.linear.weight:  # first: x, read by nothing else here, may then be freed before dX is made
@@ -111,9 +113,9 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
     if need.linear.x:  # under autocast the saved cast of W; its fp32 W only where the op was told no dX
         grads["linear_x"] = linear.call(grad_y, weight.t().to(grad_y.dtype), None, ctx.kernel)
     if need.linear.bias:
-        grads["linear_bias"] = _linear_bias_grad(ctx, grad_y)
+        grads["linear_bias"] = _linear_bias_grad(ctx, grad_y, sum_g)
     if need.scale_before.tensor:
-        grads["scale_before_tensor"] = _scale_grad(ctx, s1, grad_z, y, g, gamma, _times(gamma, batch_g_xhat), invstd)
+        grads["scale_before_tensor"] = _scale_grad(ctx, s1, grad_z, y, g, gamma, sum_g_hat_xhat, invstd)
     if need.batch_norm.weight:
         grads["batch_norm_weight"] = sum_g_xhat.to(bn_weight.dtype)
     if need.batch_norm.bias:
@@ -133,13 +135,15 @@ def _relu_backward(g: Tensor, bn_out: Tensor) -> Tensor:
     return g.masked_fill(stored(bn_out <= 0), 0)
 
 
-def _linear_bias_grad(ctx, grad_y: Tensor) -> Tensor:
+def _linear_bias_grad(ctx, grad_y: Tensor, sum_g: Tensor) -> Tensor:
     # Synced, one rank's bias shifts the global mean by its share of the rows only: its gradient is the
     # rank's column sum (the ranks' sum is 0, which DDP's average gets)
     if ctx.training and not ctx.group_name:
         # Batch normalization subtracts the batch mean, so a bias shift has no effect at all: the
-        # gradient is exactly zero (eager's column sum of grad_y returns only rounding noise).
-        return grad_y.new_zeros(grad_y.shape[1], dtype=ctx.bias_dtype)
+        # gradient is exactly zero (eager's column sum of grad_y returns only rounding noise). Made from
+        # a column sum the backward takes anyway (x - x: +0 where finite, NaN where eager's would be),
+        # the kernel that stores that sum stores it too; zeros of its own take a launch of their own.
+        return (sum_g - sum_g).to(ctx.bias_dtype)
     return grad_y.float().sum(0).to(ctx.bias_dtype)
 
 
