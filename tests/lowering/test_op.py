@@ -249,8 +249,9 @@ class ColumnSums(TorchDispatchMode):
 def test_backward_takes_two_column_sums(training, scale):
     """In training the backward reduces the (N, F) gradient to two column sums, of g and g * x_hat, which
     are also the batch norm's weight and bias gradients; those of g * gamma are derived, not summed
-    again, and the linear bias's gradient is 0. The pre-BN scale's gradient adds the float64 co-moment's
-    three. In eval the linear bias's and the scale's gradients are column sums of their own."""
+    again, and the linear bias's gradient is 0. The pre-BN scale's gradient adds its closed form's sum
+    and the float64 co-moment's three. In eval the linear bias's and the scale's gradients are column sums
+    of their own."""
     torch.manual_seed(0)
     args = make_args(48, 24, 40, scale=scale, training=training, requires_grad=True, save_linear_out=True,
                      device="cpu")
@@ -258,7 +259,7 @@ def test_backward_takes_two_column_sums(training, scale):
     with ColumnSums() as sums:
         out.backward(torch.randn_like(out))
     if training:
-        expected = [torch.float32] * 2 + [torch.float64] * (3 if scale else 0)
+        expected = [torch.float32] * (3 if scale else 2) + [torch.float64] * (3 if scale else 0)
     else:
         expected = [torch.float32] * (3 + (scale is not None))
     assert sorted(sums.dtypes, key=str) == sorted(expected, key=str)
