@@ -92,15 +92,17 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
     # takes them), not two more reductions.
     sum_g, sum_g_xhat = g.sum(0), (g * x_hat).sum(0)
     gamma = bn_weight.float() if bn_weight is not None else None
-    g_hat = _times(gamma, g)
     batch_g, batch_g_xhat, count = sum_g, sum_g_xhat, g.shape[0]
     if ctx.group_name:  # SyncBatchNorm: the statistics are every rank's, so are the sums projected out
         batch_g, batch_g_xhat, count = sync.all_reduce_sums(sum_g, sum_g_xhat, count, ctx.group_name)
-    sum_g_hat_xhat = _times(gamma, batch_g_xhat)
+    # g centred by its own column mean, then scaled by gamma: grad_z's column sums, 0 in exact arithmetic,
+    # stay at rounding level. Centring g * gamma by gamma * mean(g) leaves a larger rest, which a linear
+    # before the chain gets in its bias's gradient (1.57x eager's rounding noise there on a CPU,
+    # tests/test_bare_linear.py::test_linear_feeding_a_chain_and_fed_by_one_is_rewritten_once_each).
     if ctx.training or ctx.group_name:  # batch statistics depend on z: project out the mean and x_hat
-        grad_z = (g_hat - _times(gamma, batch_g) / count - x_hat * (sum_g_hat_xhat / count)) * invstd
+        grad_z = (g - batch_g / count - x_hat * (batch_g_xhat / count)) * _times(gamma, invstd)
     else:
-        grad_z = g_hat * invstd
+        grad_z = g * _times(gamma, invstd)
     grad_y = stored((grad_z * s1.factor()).to(linear_out.dtype))  # read by every block of dX and dW
 
     if need.linear.weight:  # first: x, read by nothing else here, may then be freed before dX is made
@@ -115,7 +117,7 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
     if need.linear.bias:
         grads["linear_bias"] = _linear_bias_grad(ctx, grad_y, sum_g)
     if need.scale_before.tensor:
-        grads["scale_before_tensor"] = _scale_grad(ctx, s1, grad_z, y, g_hat, x_hat, invstd)
+        grads["scale_before_tensor"] = _scale_grad(ctx, s1, grad_z, y, _times(gamma, g), x_hat, invstd)
     if need.batch_norm.weight:
         grads["batch_norm_weight"] = sum_g_xhat.to(bn_weight.dtype)
     if need.batch_norm.bias:
