@@ -96,7 +96,7 @@ def _sources(gm: GraphModule) -> str:
     """A comment block naming, for each node that replaced others, every source line it came from."""
     lines = [f"#   {node.name}: {', '.join(node.meta['fusepass_sources'])}"
              for node in gm.graph.nodes if node.meta.get("fusepass_sources") and node.op == "call_function"
-             and not node.name.startswith(("getitem", "copy_", "_foreach_copy_"))]
+             and not node.name.startswith(("getitem", "copy_", "_foreach_copy_", "add"))]
     return "\n# fusepass: the source lines each fused op replaced\n" + "\n".join(lines) + "\n" if lines else ""
 
 

@@ -30,14 +30,18 @@ def rewrite(gm, kernel=KernelOptions(), families=CHAINS):
 
 
 def dynamo_graphs(model, *inputs):
-    """The FX graphs Dynamo hands a backend for model(*inputs)."""
-    graphs = []
+    """The FX graphs Dynamo hands a backend for model(*inputs), as the backend sees them: with each input's
+    `grapharg` (its source), which Dynamo drops from the nodes once the backend has returned."""
+    graphs, graph_args = [], {}
 
     def capture(gm, _example_inputs):
         graphs.append(gm)
+        graph_args.update({n: n.meta["grapharg"] for n in gm.graph.nodes if "grapharg" in n.meta})
         return gm.forward
 
     torch.compile(model, backend=capture)(*inputs)
+    for node, graph_arg in graph_args.items():
+        node.meta["grapharg"] = graph_arg
     return graphs
 
 
@@ -71,11 +75,14 @@ def test_rewrite_replaces_the_chain(kwargs, training):
     assert count_calls(gm, (FUSED_OP,)) == 1
     assert count_calls(gm, (torch._C._nn.linear, F.batch_norm, operator.mul, torch.mul)) == 0
     updates_stats = model.bn.track_running_stats and training
-    # Both running statistics are stored by one foreach copy (one kernel under Inductor).
+    # Both running statistics and the incremented counter are stored by one foreach copy (one kernel under
+    # Inductor); the counter's add_ is gone.
+    [store] = [n for n in gm.graph.nodes if n.target is torch._foreach_copy_] if updates_stats else [None]
     assert count_calls(gm, (torch._foreach_copy_,)) == (1 if updates_stats else 0)
-    assert count_methods(gm, "copy_") == 0
-    # num_batches_tracked.add_ stays in the graph, untouched.
-    assert count_methods(gm, "add_") == (1 if updates_stats else 0)
+    assert count_methods(gm, "copy_") == 0 and count_methods(gm, "add_") == 0
+    if store is not None:
+        assert [re.sub(r".*buffers_|_$", "", n.name) for n in store.args[0]] == [
+            "running_mean", "running_var", "num_batches_tracked"]
     # What the backend restores if the fused graph's first call fails: the buffers both calls write.
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     restored = sorted(re.sub(r".*buffers_|_$", "", placeholders[i]) for i in mutated_input_positions(gm))

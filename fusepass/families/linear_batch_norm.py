@@ -4,8 +4,8 @@ a linear or a matmul by an (in, out) weight with an optional bias added, and its
 
 Pattern: the steps below, anchored on batch_norm. Replacement: the op, its arguments built by name
 (ChainArgs) from the steps' normalized arguments; in training, copies of the op's new running
-statistics into the module's buffers (the op itself mutates nothing); the num_batches_tracked
-increment stays in the graph.
+statistics and the incremented num_batches_tracked into the module's buffers, in one foreach copy (the
+op itself mutates nothing).
 """
 
 from __future__ import annotations
@@ -159,15 +159,48 @@ def replace(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: Kern
         out.meta.update(last.meta)
         bn = args.batch_norm
         if bn.updates_running_stats:
+            buffers = [bn.running_mean, bn.running_var]
             new_values = [graph.call_function(operator.getitem, (fused, ChainOutputs._fields.index(name)))
                           for name in ("new_running_mean", "new_running_var")]
-            # One foreach copy: Inductor writes both buffers in one kernel, where two copy_ calls take two launches.
-            graph.call_function(torch._foreach_copy_, ([bn.running_mean, bn.running_var], new_values))
+            increment = _counter_increment(bn.running_mean)
+            if increment is not None:
+                counter = increment.args[0]
+                buffers.append(counter)
+                new_values.append(graph.call_function(torch.add, (counter, 1)))
+                graph.erase_node(increment)
+            # One foreach copy: Inductor writes every buffer in one kernel, where a copy_ per buffer (and the
+            # counter's add_) take a launch each.
+            graph.call_function(torch._foreach_copy_, (buffers, new_values))
     carry_sources([n for n in graph.nodes if n not in before], match.nodes)
     last.replace_all_uses_with(out)
     for node in reversed(match.nodes):
         graph.erase_node(node)
     return out
+
+
+def _counter_increment(running_mean: Node) -> Optional[Node]:
+    """The `num_batches_tracked.add_(1)` of the module whose running mean this is, where Dynamo's graph has
+    both buffers as inputs named by their sources (an inlined nn.Module's `_buffers[...]`) and the
+    increment is the counter's only use; else None (it then stays in the graph as it is)."""
+    source = _source_name(running_mean)
+    if not source.endswith("['running_mean']"):
+        return None
+    counter_source = source.removesuffix("['running_mean']") + "['num_batches_tracked']"
+    for node in running_mean.graph.find_nodes(op="placeholder"):
+        if _source_name(node) == counter_source and len(node.users) == 1:
+            [use] = node.users
+            is_increment = (use.op == "call_method" and use.target == "add_" and use.args[1:] == (1,)
+                            and not use.kwargs and not use.users)
+            return use if is_increment else None
+    return None
+
+
+def _source_name(node: Node) -> str:
+    """Where Dynamo took a graph input from ("L['self']._modules['bn']._buffers['running_mean']"), or ""."""
+    graph_arg = node.meta.get("grapharg") if node.op == "placeholder" else None
+    source = getattr(graph_arg, "source", None)
+    name = getattr(source, "name", "")
+    return name() if callable(name) else name  # a method in older torch releases, a property in newer
 
 
 def _op_args(graph: Graph, match: Match, replaced: dict[Node, Node], kernel: KernelOptions, result) -> ChainArgs:
