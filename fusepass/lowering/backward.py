@@ -164,9 +164,9 @@ def _scale_grad(ctx, scale: Scale, grad_z: Tensor, y: Tensor, g_hat: Tensor, x_h
     # (derivation: sum(grad_z) = sum(x_hat) = 0 and mean(x_hat^2) = var * invstd^2). That sum is taken
     # here, not as gamma times the backward's shared sum(g * x_hat): the two are equal in exact arithmetic
     # and in their error over random cases (CPU), but a softmax chain's first training step on an H200
-    # measured 1.15e-6 from float64 with the shared sum, against 9.3e-7 with this one and eager's 4.3e-7,
-    # past the criterion (tests/test_backend.py, test_each_gemm_implementation_end_to_end). The reduction
-    # that takes it exists only for a scale tensor's gradient.
+    # measured 1.15e-6 from float64 with the shared sum, past the criterion, against eager's 4.3e-7 and
+    # 9.3e-7 with this sum (tests/test_backend.py, test_each_gemm_implementation_end_to_end, the code
+    # before the sums were shared). The reduction that takes it exists only for a scale tensor's gradient.
     closed_form = (g_hat * x_hat).sum(0) * ctx.eps * invstd * invstd / s
     # At s == 0, x_hat is 0 and the gradient is invstd * sum((g_hat - mean(g_hat)) * y): the co-moment of
     # g_hat and y. It is taken from column sums of the same kind as the backward's, which the compiled
