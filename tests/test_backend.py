@@ -864,7 +864,7 @@ def test_running_statistics_are_stored_by_one_kernel(_):
 
 
 @pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY)], ids=["cuda"])
-def test_the_backward_launches_two_reductions_and_no_zero_fill(_):
+def test_the_backward_takes_two_column_sums_and_no_zero_fill(_):
     """Training, a chain with a linear bias: the compiled backward reduces to its two column sums (g and
     g * x_hat): one pass over the (N, F) gradient and, the reduction split, one second stage per sum
     (four of them before the sums were shared); the bias's zero gradient comes out of them, not out of
