@@ -93,10 +93,11 @@ def write_debug_dump(debug_dir: str, before: GraphModule, after: GraphModule, re
 
 
 def _sources(gm: GraphModule) -> str:
-    """A comment block naming, for each node that replaced others, every source line it came from."""
+    """A comment block naming, for each fused op (a call of an op in the fusepass namespace), every source
+    line it replaced; the nodes around it (its outputs taken apart, the buffers' stores) carry the same."""
     lines = [f"#   {node.name}: {', '.join(node.meta['fusepass_sources'])}"
              for node in gm.graph.nodes if node.meta.get("fusepass_sources") and node.op == "call_function"
-             and not node.name.startswith(("getitem", "copy_", "_foreach_copy_", "add"))]
+             and getattr(node.target, "namespace", None) == "fusepass"]
     return "\n# fusepass: the source lines each fused op replaced\n" + "\n".join(lines) + "\n" if lines else ""
 
 

@@ -148,6 +148,10 @@ def test_the_dump_and_the_report_name_each_fused_ops_source_lines(tmp_path):
     [after] = tmp_path.glob("graph_*_after.py")
     code = after.read_text()
     assert "No stacktrace found" not in code
+    block = code.split("# fusepass: the source lines each fused op replaced\n", 1)[1]
+    # the fused op alone: not its getitems, nor the foreach copy and counter increment that store the buffers
+    assert [line.split(":")[0] for line in block.splitlines() if line.startswith("#   ")] == [
+        "#   batch_norm_chain_default"]
     [listed] = [line for line in code.splitlines() if line.startswith("#   batch_norm_chain_default: ")]
     sources = listed.split(": ", 1)[1].split(", ")
     chains = str(Path(__file__).parent / "chains.py")
