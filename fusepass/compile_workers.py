@@ -19,9 +19,8 @@ Inductor there later, are launched statically too.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Iterator
+from unittest import mock
 
 import torch
 from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
@@ -34,7 +33,7 @@ def start() -> None:
     a CUDA GPU, unless they are running already. A value the user gave the variable is kept."""
     if not torch.cuda.is_available() or running():
         return
-    with _environment(STATIC_USER_KERNELS_ENV, os.environ.get(STATIC_USER_KERNELS_ENV, "1")):
+    with mock.patch.dict(os.environ, {STATIC_USER_KERNELS_ENV: os.environ.get(STATIC_USER_KERNELS_ENV, "1")}):
         maybe_warm_pool()
 
 
@@ -42,15 +41,3 @@ def running() -> bool:
     """Whether this process has started Inductor's compile-worker pool."""
     return AsyncCompile.process_pool.cache_info().currsize > 0
 
-
-@contextlib.contextmanager
-def _environment(name: str, value: str) -> Iterator[None]:
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = previous
