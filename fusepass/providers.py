@@ -127,10 +127,7 @@ def precision_context(precision: str, device: str, backward: bool = False):
 def make_provider(name: str, model: torch.nn.Module) -> Callable:
     if name == "eager":
         return model
-    # Providers compile in one process, whichever first: the compile workers are started as in a process
-    # that uses fusepass (its kernels launched statically; Inductor's own are either way), not as
-    # Inductor's backend would start them if it compiled first.
-    compile_workers.start()
+    start_compile_workers()
     if name == "inductor":
         return torch.compile(model)
     if name == "fusepass":
@@ -142,6 +139,13 @@ def make_provider(name: str, model: torch.nn.Module) -> Callable:
     if name == "fusepass-cudagraphs":
         return _a_step_per_call(torch.compile(model, backend="fusepass", mode="reduce-overhead"), model)
     raise BenchError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
+
+
+def start_compile_workers() -> None:
+    """Providers compile in one process, whichever first: the compile workers are started as in a process
+    that uses fusepass (its kernels launched statically; Inductor's own are either way), not as Inductor's
+    backend would start them if it compiled first."""
+    compile_workers.start()
 
 
 def _a_step_per_call(compiled: Callable, model: torch.nn.Module) -> Callable:
