@@ -92,7 +92,16 @@ def test_forward_table_has_every_provider_ratios_and_floor(tmp_path):
     cells = table_line(text, "Forward, fp32", "gemm_scale_batchnorm 1024×8192→8192", "train")
     assert cells[2:6] == ["4.228", "3.171", "2.643", "2.114"]
     assert cells[6:9] == ["2.00×", "1.50×", "1.25×"]  # eager's, Inductor's, max-autotune's time over fusepass's
-    assert cells[9:] == [f"{FLOOR_FP32_1024_MS:.3f}", "39%"]
+    assert cells[9:] == [f"{FLOOR_FP32_1024_MS:.3f}", "39%", "H200"]
+
+
+def test_forward_rows_from_two_gpus_say_which(tmp_path):
+    """A table's rows may come from runs on different GPUs; each row names its own."""
+    text = write_report(tmp_path, {"forward-fp32": payload(four_providers()),
+                                   "forward-fp32-1024": payload(four_providers(problem="gemm_batchnorm", size=None),
+                                                                device="NVIDIA H100 80GB HBM3")})
+    assert table_line(text, "Forward, fp32", "gemm_scale_batchnorm 1024×8192→8192", "train")[-1] == "H200"
+    assert table_line(text, "Forward, fp32", "gemm_batchnorm", "train")[-1] == "H100"
 
 
 def test_training_step_floor_counts_three_gemms(tmp_path):
@@ -141,7 +150,7 @@ def test_a_fusepass_provider_with_fallbacks_is_wrong(tmp_path, field):
     rows = [result("eager", 4.228), result("fusepass", FUSED_MS, **{field: 1})]
     text = write_report(tmp_path, {"forward-fp32": payload(rows)})
     cells = table_line(text, "Forward, fp32", "gemm_scale_batchnorm 1024×8192→8192", "train")
-    assert cells[5] == "wrong" and cells[-1] == "-"
+    assert cells[5] == "wrong" and cells[-2] == "-"  # no fusepass time, no share of the floor
 
 
 def test_tried_and_rejected_section_is_kept_verbatim(tmp_path):
@@ -186,7 +195,7 @@ def test_small_shapes_and_unknown_gpu(tmp_path):
     text = write_report(tmp_path, {"small": payload(small, device="NVIDIA H100 80GB HBM3")})
     cells = table_line(text, "Small shapes, 128×1024→512", "gemm_scale_batchnorm", "train")
     assert cells[1:3] == ["forward", "train"] and cells[4:8] == ["0.050", "-", "-", "0.100"]
-    assert cells[-2:] == ["-", "-"]  # no measured rates for an H100: no floor
+    assert cells[-3:] == ["-", "-", "H100"]  # no measured rates for an H100: no floor
     assert "Not measured" in section_text(text, "Forward, fp32")
 
 

@@ -502,8 +502,9 @@ def markdown(rows: list[list[str]], headers: list[str]) -> str:
 
 def forward_table(rows: list[Row], precision: str) -> Optional[str]:
     cases = by_case(r for r in rows if r.measure == "forward" and r.result["precision"] == precision)
-    lines = [[problem_cell(case[0], case[1]), case[2], *time_cells(providers)] for case, providers in cases.items()]
-    return markdown(lines, ["problem", "mode", *TIME_HEADERS]) if lines else None
+    lines = [[problem_cell(case[0], case[1]), case[2], *time_cells(providers), gpu_cell(providers)]
+             for case, providers in cases.items()]
+    return markdown(lines, ["problem", "mode", *TIME_HEADERS, "GPU"]) if lines else None
 
 
 def training_table(rows: list[Row]) -> Optional[str]:
@@ -549,8 +550,9 @@ def small_table(rows: list[Row]) -> Optional[str]:
     lines = []
     for measure, what in (("small-shapes", "forward"), ("small-shapes-training", "training step")):
         for case, providers in by_case(r for r in rows if r.measure == measure).items():
-            lines.append([problem_cell(case[0], None), what, case[2], case[3], *time_cells(providers)])
-    return markdown(lines, ["problem", "measure", "mode", "precision", *TIME_HEADERS]) if lines else None
+            lines.append([problem_cell(case[0], None), what, case[2], case[3], *time_cells(providers),
+                          gpu_cell(providers)])
+    return markdown(lines, ["problem", "measure", "mode", "precision", *TIME_HEADERS, "GPU"]) if lines else None
 
 
 def cuda_graph_table(rows: list[Row]) -> Optional[str]:
