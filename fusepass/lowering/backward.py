@@ -117,7 +117,7 @@ def backward(ctx, grad_out: Tensor, *_grads_of_non_differentiable_outputs) -> tu
     if need.linear.bias:
         grads["linear_bias"] = _linear_bias_grad(ctx, grad_y, sum_g)
     if need.scale_before.tensor:
-        grads["scale_before_tensor"] = _scale_grad(ctx, s1, grad_z, y, _times(gamma, g), x_hat, invstd)
+        grads["scale_before_tensor"] = _scale_grad(ctx, s1, grad_z, y, g, gamma, x_hat, invstd)
     if need.batch_norm.weight:
         grads["batch_norm_weight"] = sum_g_xhat.to(bn_weight.dtype)
     if need.batch_norm.bias:
@@ -149,16 +149,16 @@ def _linear_bias_grad(ctx, grad_y: Tensor, sum_g: Tensor) -> Tensor:
     return grad_y.float().sum(0).to(ctx.bias_dtype)
 
 
-def _scale_grad(ctx, scale: Scale, grad_z: Tensor, y: Tensor, g_hat: Tensor, x_hat: Tensor,
+def _scale_grad(ctx, scale: Scale, grad_z: Tensor, y: Tensor, g: Tensor, gamma: Optional[Tensor], x_hat: Tensor,
                 invstd: Tensor) -> Tensor:
-    """The pre-BN scale's gradient; g_hat is gamma times the gradient w.r.t. the batch norm's output."""
+    """The pre-BN scale's gradient; g is the gradient w.r.t. the batch norm's output, gamma its weight."""
     # Synced, the closed form below would need every rank's y: this rank's part of the gradient is the
     # direct sum, as eager's
     if not ctx.training or ctx.group_name:
         return pointwise.reduce_to((grad_z * y).sum(0), scale.tensor)
     if statically_known_true(y.shape[0] == 0):  # no rows, no gradient; their statistics are NaN
         return pointwise.reduce_to(torch.zeros_like(invstd), scale.tensor)
-    s = scale.factor()
+    s, g_hat = scale.factor(), _times(gamma, g)
     # Scaling a feature changes its normalized value only through eps, so the direct sum(grad_z * y)
     # cancels almost completely. Its exact value, sum(g_hat * x_hat) * eps * invstd^2 / s, does not
     # (derivation: sum(grad_z) = sum(x_hat) = 0 and mean(x_hat^2) = var * invstd^2). That sum is taken
