@@ -881,9 +881,8 @@ def largest_batch_table(sources: list[Source]) -> Optional[str]:
 
 FORWARD_GEMM_NOTE = {"fp32": " On Hopper the chain's forward GEMM on the warp-specialized kernel (launched from "
                              "Python) is offered without CUDA graphs for GEMMs of at least "
-                             "`choice.UNGRAPHED_MIN_FLOP` (2.5e11 FLOP) in a graph with a backward (train mode "
-                             "here), `choice.INFERENCE_MIN_FLOP` (3e10) in one without (eval here), and at any "
-                             "size for a matmul head, whose (in, out) W the Triton GEMM would copy.",
+                             "`choice.TF32X3_MIN_FLOP` (3e10 FLOP), and at any size for a matmul head, whose "
+                             "(in, out) W the Triton GEMM would copy.",
                      "tf32": " On Hopper the chain's forward GEMM on the warp-specialized kernel (launched from "
                              "Python) is offered without CUDA graphs for GEMMs of at least "
                              "`choice.UNGRAPHED_MIN_FLOP` (2.5e11 FLOP), with a backward or without."}
@@ -906,9 +905,10 @@ def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
                      "runs it); the floor counts three GEMMs per linear (forward, dX, dW) at fusepass's precision, "
                      "and \"of floor\" is against fusepass's default mode. In fp32 and TF32 on Hopper, fusepass's "
                      "mode decides candidates: a GEMM on the warp-specialized kernel (launched from Python) is "
-                     "offered with CUDA graphs, and without them only for GEMMs of at least "
-                     "`choice.UNGRAPHED_MIN_FLOP` (2.5e11 FLOP; in 3xTF32 every GEMM of the backward) and for "
-                     "matmul heads.", training_table(rows))
+                     "offered with CUDA graphs; without them, in 3xTF32 to every GEMM of the backward (preparing "
+                     "an operand in memory only from `choice.UNGRAPHED_MIN_FLOP`, 2.5e11 FLOP, else in the kernel) "
+                     "and to a chain's forward from `choice.TF32X3_MIN_FLOP` (3e10), in TF32 from "
+                     "`choice.UNGRAPHED_MIN_FLOP`, and to matmul heads.", training_table(rows))
     parts += section("GEMM alone", GEMM_INTRO, gemm_alone_table(gemm_alone or []))
     parts += section("Small shapes, 128×1024→512", "Both problems at `--size 128,1024,512`, forwards and training "
                      "steps. Their floor is a few microseconds: these times are launch and host overhead.",

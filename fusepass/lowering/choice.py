@@ -133,34 +133,36 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
     return {name: impl for name, impl in found.items() if impl.unlaunchable(args) is None}
 
 
-# The warp-specialized GEMM launches from Python (an opaque op: 0.2-0.3 ms of host per call on the H100
-# machine's host), so without CUDA graphs it is offered only for GEMMs whose GPU time hides that. A training
-# step (whose backward launches more from Python) needs a large GEMM. H100, fp32 training steps in default
-# mode, offered against not: 16384 x 4096 -> 4096 (5.5e11 FLOP per GEMM) 9.893 against 11.121 ms;
-# gemm_batchnorm_scale_softmax at 1024 x 8192 -> 8192 (1.4e11) 3.335 against 3.058; MLP(1024, [4096, 4096,
-# 256]) at 4096 rows (up to 1.4e11) 7.039 against 6.225 (host-bound steps).
+# The warp-specialized GEMM launches from Python (an opaque op: 0.1-0.3 ms of host a call on the H100 and H200
+# machines' hosts), so without CUDA graphs it is offered only for GEMMs whose GPU time hides that. In 3xTF32
+# from TF32X3_MIN_FLOP, 0.3 ms at 100 TFLOP/s. H100, eval forwards under no_grad, offered at every size
+# against not: gemm_batchnorm_scale_softmax at 1024 x 8192 -> 8192 1.121 against 1.350 ms; the MLP 1.612
+# against 1.961. A training step also launches its backward's GEMMs from Python, splitting in the kernel
+# below UNGRAPHED_MIN_FLOP (linear.warp_specialized_copies), which leaves the host time for the forward. H200,
+# fp32 training steps in default mode, offered at every size against from UNGRAPHED_MIN_FLOP only (each in
+# its own process): 1024 x 8192 -> 8192 2.709 -> 2.470 ms (its forward 1.345 -> 1.100), with softmax 2.681 ->
+# 2.497 (1.340 -> 1.115), the MLP(1024, [4096, 4096, 256]) at 4096 rows 5.550 -> 4.846 (2.012 -> 1.654).
+TF32X3_MIN_FLOP = 3e10
+# TF32's one product takes a third of 3xTF32's time, so it needs a larger GEMM: a TF32 forward without a
+# backward at 1024 x 8192 -> 8192 (1.4e11 FLOP) lost with it offered (H200, gemm_batchnorm_scale_softmax's
+# forward in training mode: 0.84x Inductor, against 0.99x not offered). H100, 3xTF32 training steps in
+# default mode (the backward splitting in memory), offered from here against not: 16384 x 4096 -> 4096 (5.5e11
+# FLOP per GEMM) 9.893 against 11.121 ms.
 UNGRAPHED_MIN_FLOP = 2.5e11
-# An inference graph (no backward) is GPU-bound from GEMMs that take longer than the op's host time: 3e10
-# FLOP is 0.3 ms at 100 TFLOP/s. H100, eval forwards under no_grad, offered at every size against not:
-# gemm_batchnorm_scale_softmax at 1024 x 8192 -> 8192 1.121 against 1.350 ms; the MLP 1.612 against 1.961.
-# In 3xTF32 only: one TF32 product takes a third of the time, and a TF32 forward without a backward at
-# 1024 x 8192 -> 8192 (1.4e11 FLOP) lost with it offered (H200, gemm_batchnorm_scale_softmax's forward in
-# training mode: 0.84x Inductor, against 0.99x not offered), so TF32 keeps UNGRAPHED_MIN_FLOP.
-INFERENCE_MIN_FLOP = 3e10
 # A matmul head at any size: H100, matmul_batchnorm_scale_softmax (1024 x 8192 -> 8192, default mode) offered
 # against not, training forward 1.525 -> 1.085 ms and its own peak 353 -> 96 MB; training step 2.952 -> 2.530.
 
 
 def warp_specialized_offered(args: ChainArgs, rows: int) -> bool:
     """Whether the chain is offered the warp-specialized GEMM (where it can launch): under CUDA graphs;
-    for a GEMM of at least UNGRAPHED_MIN_FLOP at `rows` (the bucket's), INFERENCE_MIN_FLOP in 3xTF32 where
-    no backward follows (the op saves no linear output); and for a weight that is not K-major (a matmul
-    head's (in, out) W seen as (out, in)), which the Triton GEMM reads through a K-major copy made on
-    every call (gemm.needs_k_major_copy: W's size again) and this kernel reads in place."""
+    for a GEMM of at least TF32X3_MIN_FLOP at `rows` (the bucket's) in 3xTF32, UNGRAPHED_MIN_FLOP in TF32;
+    and for a weight that is not K-major (a matmul head's (in, out) W seen as (out, in)), which the Triton
+    GEMM reads through a K-major copy made on every call (gemm.needs_k_major_copy: W's size again) and
+    this kernel reads in place."""
     flop = 2 * rows * hint(args.linear.x.shape[1]) * hint(args.n_features)
     tf32 = matmul_precision(args.linear.x.dtype, args.kernel.fp32_matmul) == "tf32"
     return (args.kernel.cuda_graphs or not limits.k_major(args.linear.weight)
-            or flop >= (UNGRAPHED_MIN_FLOP if args.save_linear_out or tf32 else INFERENCE_MIN_FLOP))
+            or flop >= (UNGRAPHED_MIN_FLOP if tf32 else TF32X3_MIN_FLOP))
 
 
 def without_collectives(args: ChainArgs) -> ChainArgs:

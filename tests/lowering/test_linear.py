@@ -206,6 +206,17 @@ def test_tf32_without_cuda_graphs_is_offered_the_warp_specialized_gemm_for_large
     assert linear.warp_specialized_offered(call, flop, precision) is offered
 
 
+@pytest.mark.parametrize("graphs, flop, in_memory", [(False, 1.4e11, False), (False, 5.5e11, True),
+                                                     (True, 1e9, True)])
+def test_without_cuda_graphs_the_warp_specialized_gemm_prepares_in_memory_for_large_gemms_only(graphs, flop,
+                                                                                              in_memory):
+    """Prepared in memory, a call launches two kernels from Python and copies an operand: 1024 x 8192 -> 8192
+    (1.4e11 FLOP) splits in the kernel, 16384 x 4096 -> 4096 (5.5e11) may do either; under CUDA graphs, any."""
+    a, b = _operands("forward", 8, 8, 8, seed=0)
+    call = linear.LinearCall(a, b, None, "tf32x3", "auto", None, True, graphs)
+    assert linear.warp_specialized_copies(call, flop) is in_memory
+
+
 def test_short_search_times_fewer_configs_and_small_tiles_only_where_sms_idle():
     configs = gemm_configs.candidates("native", torch.bfloat16)
     cuda = torch.device("cuda")

@@ -166,38 +166,30 @@ def test_a_small_chain_is_offered_it_on_hopper_under_cuda_graphs_only(training, 
     assert sum("warp-specialized" in n for n in names) == offered, names
 
 
-@pytest.mark.parametrize("rows, offered", [(4096, False), (8192, True), (16384, True)])
-def test_without_cuda_graphs_a_training_gemm_of_enough_flop_is_offered_it(rows, offered):
-    """At 4096 -> 4096 features: 1.4e11 FLOP at 4096 rows (a measured loss in default mode), 2.7e11 at 8192."""
-    args = make_args(8, 4096, 4096, save_linear_out=True, kernel=KernelOptions(cuda_graphs=False))
+@pytest.mark.parametrize("save_linear_out", [True, False])
+@pytest.mark.parametrize("rows, offered", [(256, False), (1024, True), (4096, True)])
+def test_without_cuda_graphs_a_3xtf32_gemm_of_enough_flop_is_offered_it(rows, offered, save_linear_out):
+    """Training (a linear output saved) or inference alike: at 4096 -> 4096 features, 8.6e9 FLOP at 256 rows
+    is not offered, 3.4e10 at 1024 is; under CUDA graphs, every size."""
+    args = make_args(8, 4096, 4096, save_linear_out=save_linear_out, kernel=KernelOptions(cuda_graphs=False))
     assert choice.warp_specialized_offered(args, rows) is offered
-    graphed = make_args(8, 4096, 4096, save_linear_out=True, kernel=KernelOptions(cuda_graphs=True))
+    graphed = make_args(8, 4096, 4096, save_linear_out=save_linear_out, kernel=KernelOptions(cuda_graphs=True))
     assert choice.warp_specialized_offered(graphed, rows)
 
 
-@pytest.mark.parametrize("rows, offered", [(64, False), (1024, True), (4096, True)])
-def test_without_cuda_graphs_an_inference_gemm_needs_less_flop(rows, offered):
-    """No backward (no linear output saved): at 4096 -> 4096 features, 2.1e9 FLOP at 64 rows is not
-    offered, 3.4e10 at 1024 is (a training step of it is not)."""
-    inference = make_args(8, 4096, 4096, save_linear_out=False, kernel=KernelOptions(cuda_graphs=False))
-    assert choice.warp_specialized_offered(inference, rows) is offered
-    training = make_args(8, 4096, 4096, save_linear_out=True, kernel=KernelOptions(cuda_graphs=False))
-    assert not choice.warp_specialized_offered(training, rows)
-
-
+@pytest.mark.parametrize("save_linear_out", [True, False])
 @pytest.mark.parametrize("rows, offered", [(4096, False), (16384, True)])
-def test_without_cuda_graphs_a_tf32_gemm_needs_a_training_gemms_flop_also_in_inference(rows, offered):
-    """One TF32 product takes a third of 3xTF32's time, so its inference GEMM hides the op's host time only
-    as large as a training GEMM: at 4096 -> 4096 features 1.4e11 FLOP at 4096 rows is not offered (3xTF32
-    is), 5.5e11 at 16384 is."""
-    inference = make_args(8, 4096, 4096, save_linear_out=False, kernel=KernelOptions(cuda_graphs=False))
+def test_without_cuda_graphs_a_tf32_gemm_needs_more_flop(rows, offered, save_linear_out):
+    """One TF32 product takes a third of 3xTF32's time, so it hides the op's host time only in a larger GEMM:
+    at 4096 -> 4096 features 1.4e11 FLOP at 4096 rows is not offered (3xTF32 is), 5.5e11 at 16384 is."""
+    args = make_args(8, 4096, 4096, save_linear_out=save_linear_out, kernel=KernelOptions(cuda_graphs=False))
     allowed = torch.backends.cuda.matmul.allow_tf32
     try:  # set and restored by hand (test_backend.py says why)
         torch.backends.cuda.matmul.allow_tf32 = True
-        assert choice.warp_specialized_offered(inference, rows) is offered
+        assert choice.warp_specialized_offered(args, rows) is offered
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allowed
-    assert choice.warp_specialized_offered(inference, rows)
+    assert choice.warp_specialized_offered(args, rows)
 
 
 @pytest.mark.parametrize("save_linear_out", [True, False])
