@@ -203,6 +203,25 @@ def test_a_matmul_heads_weight_is_offered_it_at_any_size(save_linear_out):
     assert not choice.warp_specialized_offered(args, 8)
 
 
+@requires_cuda
+@requires_hopper
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows, features, graphs, in_memory", [(1024, 8192, False, False), (16384, 4096, False, True),
+                                                               (1024, 8192, True, True)])
+def test_a_weight_gradients_candidates_prepare_in_memory_only_where_its_launches_are_hidden(rows, features, graphs,
+                                                                                           in_memory):
+    """What linear.candidates offers a training step's dW, g^T @ x, on Hopper: the warp-specialized GEMM split
+    in the kernel always; split in memory (a second launch from Python, and copies) only under CUDA graphs or
+    from UNGRAPHED_MIN_FLOP: 1024 x 8192 -> 8192 (1.4e11 FLOP) is below it, 16384 x 4096 -> 4096 (5.5e11) not."""
+    grad_y, x = (torch.empty(rows, features, device="cuda") for _ in range(2))
+    call = linear.LinearCall(grad_y.t(), x.t(), None, "tf32x3", "auto", None, True, graphs)
+    names = list(linear.candidates(call, linear.problem(call, False), False))
+    warp_specialized = [n for n in names if "warp-specialized" in n]
+    in_kernel = [n for n in warp_specialized if n.endswith("split in kernel")]
+    assert in_kernel, names
+    assert (len(warp_specialized) > len(in_kernel)) is in_memory, names
+
+
 @pytest.mark.parametrize("split, block_n, part_rows", [("split_w", 128, 64), ("split_x", 128, 128),
                                                        ("round_w", 256, 64), ("round_x", 256, 256)])
 def test_the_ops_fake_is_an_fp32_product_with_its_partials(split, block_n, part_rows):
