@@ -283,7 +283,7 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
     (on strided loads), and cuBLAS. In TF32 and 3xTF32, also the warp-specialized Gluon kernel
     (warp_specialized_gemm.py) preparing either operand, on an sm_90 GPU (where warp_specialized_offered):
     in the kernel, which copies nothing and so is offered with copies forbidden too, and in memory (where
-    warp_specialized_copies)."""
+    launches_hidden)."""
     x, weight = call.x, call.weight
     m, k, n = _gemm_sizes(call, problem)
     precision = _precision(call)
@@ -302,7 +302,7 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
         flop = 2 * m * k * n
         if warp_specialized_offered(call, flop, precision):
             found += [LinearImplementation(p, config) for p, config in
-                      warp_specialized_gemm.candidates(precision, copies and warp_specialized_copies(call, flop))]
+                      warp_specialized_gemm.candidates(precision, copies and launches_hidden(call, flop))]
         if not k_major and search == "full" and copies:
             found.append(LinearImplementation(precision, gemm_configs.candidates(precision, x.dtype)[0], True))
         found = [impl for impl in found if impl.unlaunchable(call) is None]
@@ -320,17 +320,18 @@ def warp_specialized_offered(call: LinearCall, flop: int, precision: str) -> boo
     16384 x 4096 -> 4096 4.239 ms (Inductor 4.776); 1024 x 8192 -> 8192 1.696 (p20-p80 1.46-1.84;
     Inductor 1.107), host-bound (gated: 1.430, 1.35-1.63, Inductor 1.141); with CUDA graphs 1.058
     (Inductor 1.153)."""
-    return precision != "tf32" or call.kernel_cuda_graphs or flop >= UNGRAPHED_MIN_FLOP
+    return precision != "tf32" or launches_hidden(call, flop)
 
 
-def warp_specialized_copies(call: LinearCall, flop: int) -> bool:
-    """Whether the warp-specialized GEMM is also offered preparing an operand in memory (a split kernel
-    launched before it from Python, and the copies): under CUDA graphs, or for a GEMM of at least
-    UNGRAPHED_MIN_FLOP. One call of the op took 180-330 us of host prepared in memory against 100-180 in the
-    kernel (H200 machines, 256 x 512 -> 384), and a default-mode step's backward makes several: with the
-    backward's GEMMs offered it in memory at every size, fp32 training steps were host-bound (H200, one process
-    each, against in the kernel only: the MLP(1024, [4096, 4096, 256]) 5.401 against 5.216 ms, host 4.69
-    against 3.53 ms a step; 1024 x 8192 -> 8192 2.635 against 2.698, host 2.34 against 1.38, own peak 368
+def launches_hidden(call: LinearCall, flop: int) -> bool:
+    """Whether the warp-specialized op's launches from Python hide behind the GPU's time: under CUDA graphs, or
+    for a GEMM of at least UNGRAPHED_MIN_FLOP. Where they do not, TF32 is not offered the kernel
+    (warp_specialized_offered), nor is any precision offered it preparing an operand in memory (a split kernel
+    launched before it, and the copies). One call of the op took 180-330 us of host prepared in memory against
+    100-180 in the kernel (H200 machines, 256 x 512 -> 384), and a default-mode step's backward makes several:
+    with the backward's GEMMs offered it in memory at every size, fp32 training steps were host-bound (H200, one
+    process each, against in the kernel only: the MLP(1024, [4096, 4096, 256]) 5.401 against 5.216 ms, host
+    4.69 against 3.53 ms a step; 1024 x 8192 -> 8192 2.635 against 2.698, host 2.34 against 1.38, own peak 368
     against 352 MB; 16384 x 4096 -> 4096, 5.5e11 FLOP a GEMM, 9.887 against 10.087)."""
     return call.kernel_cuda_graphs or flop >= UNGRAPHED_MIN_FLOP
 

@@ -214,7 +214,7 @@ def test_without_cuda_graphs_the_warp_specialized_gemm_prepares_in_memory_for_la
     (1.4e11 FLOP) splits in the kernel, 16384 x 4096 -> 4096 (5.5e11) may do either; under CUDA graphs, any."""
     a, b = _operands("forward", 8, 8, 8, seed=0)
     call = linear.LinearCall(a, b, None, "tf32x3", "auto", None, True, graphs)
-    assert linear.warp_specialized_copies(call, flop) is in_memory
+    assert linear.launches_hidden(call, flop) is in_memory
 
 
 def test_short_search_times_fewer_configs_and_small_tiles_only_where_sms_idle():
