@@ -91,7 +91,8 @@ def _warp_specialized(x, w, exact, precision: str) -> tuple[float, str, float]:
     preparation included: (ms, config, error); the prepared operand's blocks are the linear op's."""
     times = []
     call = linear.LinearCall(x, w, None, "tf32x3", "triton")  # (the implementation fixes the precision)
-    for variant, config in warp_specialized_gemm.candidates(precision, operand_copies=True):
+    sizes = (x.shape[0], w.shape[0], x.shape[1], x.device)
+    for variant, config in warp_specialized_gemm.candidates(precision, True, sizes):
         impl = linear.LinearImplementation(variant, config)
         if impl.unlaunchable(call) is None:
             times.append((bench(lambda: impl(call)), f"{variant} {config.describe()}", rel_error(impl(call), exact)))

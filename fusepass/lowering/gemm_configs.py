@@ -24,11 +24,13 @@ class GemmConfig:
     persistent: bool = False  # one program per SM over the tiles, loading through in-kernel TMA descriptors
     warp_specialized: bool = False  # split_w/x, round_w/x on warp_specialized_gemm.py's Gluon kernel
     split_in_kernel: bool = False  # warp-specialized: the prepared operand's tiles split in shared memory, no copy
+    split_k: bool = False  # warp-specialized, split in the kernel: K split across programs where tiles are few
 
     def describe(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} "
                 f"w{self.num_warps} s{self.num_stages}" + (" tma" if self.tma else "")
-                + (" persistent" if self.persistent else "") + (" warp-specialized" if self.warp_specialized else "")
+                + (" persistent" if self.persistent else "") + (" split-K" if self.split_k else "")
+                + (" warp-specialized" if self.warp_specialized else "")
                 + (" split in kernel" if self.split_in_kernel else ""))
 
     def with_tma(self) -> "GemmConfig":

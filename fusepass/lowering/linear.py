@@ -83,7 +83,7 @@ class LinearImplementation:
             rows = _warp_specialized_block_rows(Linear(x, weight, bias), self.precision, self.config)
             c = self.config
             y, _ = torch.ops.fusepass.warp_specialized_linear(x, weight, bias, None, 1.0, False, self.precision, rows,
-                                                              c.block_n, c.block_k, c.num_stages)
+                                                              c.block_n, c.block_k, c.num_stages, c.split_k)
             return y
         if self.k_major_copies:
             x, weight = _k_major_copy(x), _k_major_copy(weight)
@@ -301,8 +301,9 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
                   triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
         flop = 2 * m * k * n
         if warp_specialized_offered(call, flop, precision):
+            sizes = (m, n, k, x.device)
             found += [LinearImplementation(p, config) for p, config in
-                      warp_specialized_gemm.candidates(precision, copies and launches_hidden(call, flop))]
+                      warp_specialized_gemm.candidates(precision, copies and launches_hidden(call, flop), sizes)]
         if not k_major and search == "full" and copies:
             found.append(LinearImplementation(precision, gemm_configs.candidates(precision, x.dtype)[0], True))
         found = [impl for impl in found if impl.unlaunchable(call) is None]

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from fusepass.lowering import limits
-from fusepass.lowering.gemm_configs import GemmConfig
+from fusepass.lowering.gemm_configs import GemmConfig, sm_count
 from fusepass.lowering.gemm_precisions import PREPARED, prepared, variants
 from fusepass.lowering.launch import ceil_div
 from fusepass.lowering.tf32_split import round_tf32, split_tf32
@@ -73,16 +73,44 @@ ROUNDED_CONFIGS = [GemmConfig(BLOCK_M, 256, 32, GROUP_M, 4, 4, warp_specialized=
 SHARED_MEMORY_BYTES = 4 * 3 * 128 * 32 * 4
 
 
+# K split across programs (split_k): a GEMM of fewer tiles than the GPU has SMs, whose K is long, leaves SMs
+# idle (4096 x 4096 -> 256, the MLP's last layer and its weight gradient: 64 tiles of 128 x 128 for 132 SMs).
+# Split K ways, its programs each sum K / splits of the product; the first writes out (with the bias), the others
+# fp32 partial sums that the launcher then adds to it. At most MAX_K_SPLITS, each at least
+# MIN_K_BLOCKS_PER_SPLIT K blocks long, so that the pipeline's fill and the epilogue's store stay a small part
+# of a program's time.
+K_SPLIT_CONFIGS = [GemmConfig(BLOCK_M, 128, 32, GROUP_M, 4, 4, warp_specialized=True, split_in_kernel=True,
+                              split_k=True)]
+ROUNDED_K_SPLIT_CONFIGS = [GemmConfig(BLOCK_M, 128, 32, GROUP_M, 4, 6, warp_specialized=True, split_in_kernel=True,
+                                      split_k=True)]
+MAX_K_SPLITS = 4
+MIN_K_BLOCKS_PER_SPLIT = 8
+
+
 # What the tuners are offered: each precision that prepares an operand with its configs
-CANDIDATES = [(precision, config) for precision, how in PREPARED.items()
-              for config in (CONFIGS if how.parts == 2 else ROUNDED_CONFIGS)]
+CANDIDATES = [(precision, config) for precision, how in PREPARED.items() for config in
+              (CONFIGS + K_SPLIT_CONFIGS if how.parts == 2 else ROUNDED_CONFIGS + ROUNDED_K_SPLIT_CONFIGS)]
 
 
-def candidates(precision: str, operand_copies: bool) -> list[tuple[str, GemmConfig]]:
+def candidates(precision: str, operand_copies: bool,
+               sizes: Optional[tuple[int, int, int, torch.device]] = None) -> list[tuple[str, GemmConfig]]:
     """CANDIDATES of a matmul precision ("tf32" or "tf32x3"; none for others), with operand copies forbidden
-    only those that split in the kernel (they copy nothing)."""
+    only those that split in the kernel (they copy nothing). Those that split K only for a GEMM without the
+    statistics epilogue whose `sizes` (x's rows, W's rows, K, device) it would split (k_splits)."""
     return [(p, config) for p, config in CANDIDATES
-            if p in variants(precision) and (operand_copies or config.split_in_kernel)]
+            if p in variants(precision) and (operand_copies or config.split_in_kernel)
+            and (not config.split_k or (sizes is not None and k_splits(p, config, *sizes) > 1))]
+
+
+def k_splits(precision: str, config: GemmConfig, x_rows: int, weight_rows: int, k: int, device: torch.device) -> int:
+    """How many ways `config` splits the K of x @ W^T prepared as `precision` (1: not at all): as many as the
+    GPU's SMs hold the output's tiles, within MAX_K_SPLITS and MIN_K_BLOCKS_PER_SPLIT."""
+    if not config.split_k:
+        return 1
+    a_rows, b_rows = (x_rows, weight_rows) if prepared(precision).operand == "weight" else (weight_rows, x_rows)
+    tiles = ceil_div(a_rows, BLOCK_M) * ceil_div(b_rows, config.block_n)
+    splits = min(MAX_K_SPLITS, sm_count(device) // max(tiles, 1), ceil_div(k, config.block_k) // MIN_K_BLOCKS_PER_SPLIT)
+    return max(1, splits)
 
 
 def unlaunchable(x: Tensor, weight: Tensor, out_dtype: torch.dtype, precision: str = "split_w",
@@ -163,31 +191,49 @@ class Epilogue:
 
 
 def gemm_into(out: Tensor, a: Tensor, b: Tensor, config: GemmConfig, parts: int, transposed: bool = False,
-              epilogue: Epilogue = Epilogue(), b_prepared: bool = False, b_lo: Optional[Tensor] = None) -> None:
+              epilogue: Epilogue = Epilogue(), b_prepared: bool = False, b_lo: Optional[Tensor] = None,
+              splits: int = 1) -> None:
     """out = a @ b^T in config's tiles (its block_n, block_k and stages) from `parts` tf32 parts of each
     operand (2: 3xTF32; 1: TF32); out of any strides, a K-major or else MN-major; b raw (split in the kernel;
     K-major or else MN-major), or `b_prepared`: b's hi, with `b_lo` its lo in 3xTF32 (split_tf32's or
-    round_tf32's buffers: their first K columns); `transposed`: out is y^T (its rows are y's features)."""
+    round_tf32's buffers: their first K columns); `transposed`: out is y^T (its rows are y's features). K in
+    up to `splits` parts summed by programs of their own (out dense, no statistics; as many as leave none
+    empty), added to out afterwards."""
     if b_prepared and (b_lo is not None) != (parts == 2):
         raise ValueError(f"warp-specialized GEMM: b prepared in {parts} parts needs {parts - 1} lo")
     (m, k), n = a.shape, b.shape[0]
     block_n, block_k = config.block_n, config.block_k
+    k_blocks = ceil_div(k, block_k)
+    steps_per_split = ceil_div(k_blocks, max(1, min(splits, k_blocks)))
+    splits = ceil_div(k_blocks, steps_per_split)
+    if splits > 1 and (epilogue.parts is not None or out.stride() != _dense_strides(out)):
+        raise ValueError("warp-specialized GEMM: K split only into a dense output without statistics")
+    partials = out.new_empty(((splits - 1) * out.numel(),)) if splits > 1 else out  # (out: never written)
     a_desc, b_desc = _descriptor(a, k, BLOCK_M, block_k), _descriptor(b, k, block_n, block_k)
     mode = B_SPLIT_IN_MEMORY.value if b_prepared else _raw_mode(b)
     lo_desc = b_desc if b_lo is None else _descriptor(b_lo, k, block_n, block_k)  # (read only for a lo in memory)
-    grid = (ceil_div(m, BLOCK_M) * ceil_div(n, block_n),)
+    grid = (ceil_div(m, BLOCK_M) * ceil_div(n, block_n), splits)
     e = epilogue
     gemm_kernel[grid](
         a_desc, b_desc, lo_desc,
-        out, *(t if t is not None else out for t in (e.bias, e.scale, e.parts)),
+        out, partials, *(t if t is not None else out for t in (e.bias, e.scale, e.parts)),
         m, n, k, out.stride(0), out.stride(1), e.part_stride, e.m2_offset,
-        e.scale_value,
+        steps_per_split, e.scale_value,
         BLOCK_M=BLOCK_M, A_K_MAJOR=limits.k_major(a), B_MODE=mode, PARTS=parts,
         HALF_LAYOUT=_shared_layout((block_n, block_k)),
         STATISTICS=e.parts is not None, TRANSPOSED=transposed, HAS_BIAS=e.bias is not None,
         SCALE_MODE=scale_mode(e.scale) if e.parts is not None else SCALE_NUMBER.value,
         STAGES=stages_that_fit(config, mode, parts), GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGISTERS,
         LOADER_REGS=LOADER_REGISTERS, num_warps=4)
+    if splits > 1:
+        sums = partials.as_strided((splits - 1, *out.shape), (out.numel(), *out.stride()))
+        out.add_(sums[0] if splits == 2 else sums.sum(0))
+
+
+def _dense_strides(out: Tensor) -> tuple[int, int]:
+    """out's strides were it y (row-major) or y^T (column-major), whichever its own are closer to."""
+    rows, cols = out.shape
+    return (cols, 1) if out.stride(1) == 1 else (1, rows)
 
 
 def rows_per_part(precision: str, block_n: int) -> int:
@@ -198,7 +244,7 @@ def rows_per_part(precision: str, block_n: int) -> int:
 
 def warp_specialized_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale: Optional[Tensor],
                             scale_value: float, statistics: bool, precision: str, block_rows: int, block_n: int,
-                            block_k: int, stages: int) -> tuple[Tensor, Tensor]:
+                            block_k: int, stages: int, split_k: bool = False) -> tuple[Tensor, Tensor]:
     """(y, parts): y = x @ weight^T + bias in `precision` (split_w, split_x, round_w, round_x), its operand
     split into tf32 halves or rounded to tf32: in the kernel's shared memory, one launch (block_rows 0), or in
     memory block_rows rows at a time (the linear op's bound on its copies; with statistics of x prepared,
@@ -206,12 +252,14 @@ def warp_specialized_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], s
     `stages`. W's rows make columns of y, x's rows make rows of y, written as columns of y^T = W @ x^T. With
     `statistics`, parts holds the per-feature means and M2s of z = y * scale (the tensor, else scale_value)
     over each rows_per_part(precision, block_n) rows of the batch (normalize.Partials' flat layout); else it
-    is empty."""
+    is empty. `split_k` (one launch, no statistics): K split across programs as k_splits says."""
     how = prepared(precision)
     if how is None or block_rows < 0 or (statistics and how.operand == "x"
                                          and block_rows % rows_per_part(precision, block_n)):
         raise ValueError(f"warp_specialized_linear: {precision!r} in blocks of {block_rows} rows")
-    config = GemmConfig(BLOCK_M, block_n, block_k, GROUP_M, 4, stages, warp_specialized=True)
+    if split_k and (statistics or block_rows):
+        raise ValueError("warp_specialized_linear: K is split in one launch without statistics only")
+    config = GemmConfig(BLOCK_M, block_n, block_k, GROUP_M, 4, stages, warp_specialized=True, split_k=split_k)
     m, f = x.shape[0], weight.shape[0]
     y = torch.empty((m, f), device=x.device, dtype=torch.float32)
     n_parts = ceil_div(m, rows_per_part(precision, block_n))
@@ -220,7 +268,8 @@ def warp_specialized_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], s
     a, b, out = (weight, x, y.t()) if transposed else (x, weight, y)
     if block_rows == 0:
         epilogue = Epilogue(bias, scale, scale_value, parts if statistics else None, f, n_parts * f)
-        gemm_into(out, a, b, config, how.parts, transposed, epilogue)
+        splits = k_splits(precision, config, m, f, x.shape[1], x.device)
+        gemm_into(out, a, b, config, how.parts, transposed, epilogue, splits=splits)
         return y, parts
     for r0 in range(0, b.shape[0], block_rows):
         hi, lo = split_tf32(b[r0:r0 + block_rows]) if how.parts == 2 else (round_tf32(b[r0:r0 + block_rows]), None)
@@ -250,15 +299,15 @@ def _block_epilogue(precision: str, r0: int, part_rows: int, bias: Optional[Tens
 # defined here, 14 for the body alone).
 _LIBRARY = torch.library.Library("fusepass", "FRAGMENT")
 _LIBRARY.define(OP_NAME.split("::")[1] + "(Tensor x, Tensor weight, Tensor? bias, Tensor? scale, float scale_value, "
-                "bool statistics, str precision, SymInt block_rows, SymInt block_n, SymInt block_k, SymInt stages) "
-                "-> (Tensor, Tensor)")
+                "bool statistics, str precision, SymInt block_rows, SymInt block_n, SymInt block_k, SymInt stages, "
+                "bool split_k=False) -> (Tensor, Tensor)")
 _LIBRARY.impl(OP_NAME.split("::")[1], warp_specialized_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake(OP_NAME, lib=_LIBRARY)
 def _fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale: Optional[Tensor], scale_value: float,
           statistics: bool, precision: str, block_rows: int, block_n: int, block_k: int,
-          stages: int) -> tuple[Tensor, Tensor]:
+          stages: int, split_k: bool = False) -> tuple[Tensor, Tensor]:
     m, f = x.shape[0], weight.shape[0]
     n_parts = ceil_div(m, rows_per_part(precision, block_n))
     return x.new_empty((m, f)), x.new_empty((2 * n_parts * f if statistics else 0,))

@@ -20,7 +20,9 @@ its `a` tile in registers runs while the other's wgmmas hold the tensor cores.
 
 Its epilogue adds the bias and, for a training chain's forward, stores the batch statistics' partials as
 the Triton GEMM's EPILOGUE_STATISTICS does (per feature, the mean and M2 of z = y * scale over each part
-of the batch), which the chain's passes then merge (normalize.py).
+of the batch), which the chain's passes then merge (normalize.py). The grid's second dimension splits K:
+a program sums its split's K blocks, the first split stores into out, the others into partial sums that
+the launcher adds (warp_specialized_gemm.k_splits says when).
 """
 
 from __future__ import annotations
@@ -57,28 +59,29 @@ if gluon is not None:
         return hi, a - hi
 
     @gluon.jit
-    def _loader(a_desc, b_desc, lo_desc, a_bufs, b_bufs, lo_bufs, ready, empty, off_m, off_n, k_steps,
+    def _loader(a_desc, b_desc, lo_desc, a_bufs, b_bufs, lo_bufs, ready, empty, off_m, off_n, k_first, k_steps,
                 STAGES: gl.constexpr, A_K_MAJOR: gl.constexpr, B_MODE: gl.constexpr, PARTS: gl.constexpr):
         """Fills stage after stage once both consumers have released it (empty), with a's tile and b's (its
-        raw tile, or its parts made in memory: hi into b_bufs, lo into lo_bufs)."""
+        raw tile, or its parts made in memory: hi into b_bufs, lo into lo_bufs), K blocks from k_first."""
         LOADS_LO: gl.constexpr = B_MODE == B_SPLIT_IN_MEMORY and PARTS == 2
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1] if A_K_MAJOR else a_desc.block_type.shape[0]
         for i in range(k_steps):
             s = i % STAGES
+            k = (k_first + i) * BLOCK_K
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             b_bytes: gl.constexpr = b_desc.block_type.nbytes * (2 if LOADS_LO else 1)
             mbarrier.expect(bar, a_desc.block_type.nbytes + b_bytes)
             if A_K_MAJOR:
-                _tma_load(a_desc, [off_m, i * BLOCK_K], bar, a_bufs.index(s))
+                _tma_load(a_desc, [off_m, k], bar, a_bufs.index(s))
             else:
-                _tma_load(a_desc, [i * BLOCK_K, off_m], bar, a_bufs.index(s))
+                _tma_load(a_desc, [k, off_m], bar, a_bufs.index(s))
             if B_MODE == B_MN_MAJOR:
-                _tma_load(b_desc, [i * BLOCK_K, off_n], bar, b_bufs.index(s))
+                _tma_load(b_desc, [k, off_n], bar, b_bufs.index(s))
             else:
-                _tma_load(b_desc, [off_n, i * BLOCK_K], bar, b_bufs.index(s))
+                _tma_load(b_desc, [off_n, k], bar, b_bufs.index(s))
             if LOADS_LO:
-                _tma_load(lo_desc, [off_n, i * BLOCK_K], bar, lo_bufs.index(s))
+                _tma_load(lo_desc, [off_n, k], bar, lo_bufs.index(s))
 
     @gluon.jit
     def _split_b_half(b_tile, hi_tile, lo_tile, ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -114,11 +117,11 @@ if gluon is not None:
         mbarrier.arrive(split_done.index(s), count=1)
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, hi_bufs, lo_bufs, ready, split_done, empty, out_ptr, bias_ptr, scale_ptr,
-                  parts_ptr, M, N, stride_om, stride_on, part_stride, m2_offset, scale_value, off_m, off_n,
-                  k_steps, ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr, A_K_MAJOR: gl.constexpr, B_MODE: gl.constexpr, PARTS: gl.constexpr,
-                  STATISTICS: gl.constexpr, TRANSPOSED: gl.constexpr, HAS_BIAS: gl.constexpr,
+    def _consumer(a_bufs, b_bufs, hi_bufs, lo_bufs, ready, split_done, empty, out_ptr, partials_ptr, bias_ptr,
+                  scale_ptr, parts_ptr, M, N, stride_om, stride_on, part_stride, m2_offset, scale_value,
+                  off_m, off_n, k_split, k_steps, ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_K_MAJOR: gl.constexpr, B_MODE: gl.constexpr,
+                  PARTS: gl.constexpr, STATISTICS: gl.constexpr, TRANSPOSED: gl.constexpr, HAS_BIAS: gl.constexpr,
                   SCALE_MODE: gl.constexpr):
         """ROWS rows of the output tile from ROW0: per K block, once both consumers have split their halves
         of b's tile (split_done; b split in memory: once loaded), the block's wgmmas: in 3xTF32 three into a
@@ -172,8 +175,9 @@ if gluon is not None:
             part = off_n // BLOCK_N
         else:
             part = (off_m + ROW0) // ROWS
-        _epilogue(acc, rows, cols, M, N, out_ptr, stride_om, stride_on, bias_ptr, scale_ptr, scale_value,
-                  parts_ptr, part, part_stride, m2_offset, STATISTICS, TRANSPOSED, HAS_BIAS, SCALE_MODE)
+        _epilogue(acc, rows, cols, M, N, out_ptr, partials_ptr, stride_om, stride_on, k_split, bias_ptr,
+                  scale_ptr, scale_value, parts_ptr, part, part_stride, m2_offset, STATISTICS, TRANSPOSED, HAS_BIAS,
+                  SCALE_MODE)
 
     @gluon.jit
     def _per_feature(v, TRANSPOSED: gl.constexpr):
@@ -203,11 +207,13 @@ if gluon is not None:
         return s.to(gl.float32)
 
     @gluon.jit
-    def _epilogue(acc, rows, cols, M, N, out_ptr, stride_om, stride_on, bias_ptr, scale_ptr, scale_value,
-                  parts_ptr, part, part_stride, m2_offset, STATISTICS: gl.constexpr, TRANSPOSED: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, SCALE_MODE: gl.constexpr):
+    def _epilogue(acc, rows, cols, M, N, out_ptr, partials_ptr, stride_om, stride_on, k_split,
+                  bias_ptr, scale_ptr, scale_value, parts_ptr, part, part_stride, m2_offset, STATISTICS: gl.constexpr,
+                  TRANSPOSED: gl.constexpr, HAS_BIAS: gl.constexpr, SCALE_MODE: gl.constexpr):
         """y = acc + bias stored; with STATISTICS, the mean and M2 of z = y * scale over the tile's rows of
-        the batch, per feature, at `part` of the partials (gemm_epilogue.EPILOGUE_STATISTICS's)."""
+        the batch, per feature, at `part` of the partials (gemm_epilogue.EPILOGUE_STATISTICS's). With K split
+        across programs, the first split's sum (with the bias) goes to out and split s's (no bias) to
+        partials' slice s - 1, laid out as out is, for the launcher to add."""
         row_ok = rows < M
         col_ok = cols < N
         if TRANSPOSED:
@@ -215,9 +221,14 @@ if gluon is not None:
         else:
             features, feature_ok, in_batch = cols, col_ok, row_ok
         if HAS_BIAS:
-            acc = acc + _per_feature(gl.load(bias_ptr + features, mask=feature_ok, other=0.0), TRANSPOSED)
+            bias = gl.load(bias_ptr + features, mask=feature_ok & (k_split == 0), other=0.0)
+            acc = acc + _per_feature(bias, TRANSPOSED)
         offsets = rows[:, None].to(gl.int64) * stride_om + cols[None, :].to(gl.int64) * stride_on
-        gl.store(out_ptr + offsets, acc, mask=row_ok[:, None] & col_ok[None, :])
+        mask = row_ok[:, None] & col_ok[None, :]
+        if k_split == 0:
+            gl.store(out_ptr + offsets, acc, mask=mask)
+        else:
+            gl.store(partials_ptr + (k_split - 1).to(gl.int64) * M * N + offsets, acc, mask=mask)
         if STATISTICS:
             z = acc * _per_feature(_load_scale(scale_ptr, scale_value, features, feature_ok, SCALE_MODE),
                                    TRANSPOSED)
@@ -236,9 +247,10 @@ if gluon is not None:
     def gemm_kernel(
         a_desc, b_desc, lo_desc,  # descriptors: a (M, K) K-major, or a^T (K, M); b (N, K), b^T (K, N) or b's hi
         # and lo (N, K) (B_MODE; lo_desc read only for B_SPLIT_IN_MEMORY)
-        out_ptr, bias_ptr, scale_ptr, parts_ptr,  # pointers: out (M, N); per feature; the partials
+        out_ptr, partials_ptr, bias_ptr, scale_ptr, parts_ptr,  # pointers: out (M, N), the other K splits' sums
+        # (K_SPLITS - 1 of out's layout); per feature; the statistics' partials
         M, N, K, stride_om, stride_on, part_stride, m2_offset,  # sizes, strides
-        scale_value,
+        k_steps_per_split, scale_value,
         BLOCK_M: gl.constexpr, A_K_MAJOR: gl.constexpr, B_MODE: gl.constexpr, PARTS: gl.constexpr,
         HALF_LAYOUT: gl.constexpr,
         STATISTICS: gl.constexpr, TRANSPOSED: gl.constexpr, HAS_BIAS: gl.constexpr, SCALE_MODE: gl.constexpr,
@@ -248,6 +260,7 @@ if gluon is not None:
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_ROWS else b_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_ROWS else b_desc.block_type.shape[0]
         pid = gl.program_id(0)
+        k_split = gl.program_id(1)  # which K blocks (the grid's second dimension splits K)
         num_pid_m = gl.cdiv(M, BLOCK_M)
         tiles_in_group = GROUP * gl.cdiv(N, BLOCK_N)
         first_m = (pid // tiles_in_group) * GROUP
@@ -272,19 +285,20 @@ if gluon is not None:
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(split_done.index(s), count=2)  # one arrive per consumer warpgroup
             mbarrier.init(empty.index(s), count=2)
-        k_steps = gl.cdiv(K, BLOCK_K)
+        k_first = k_split * k_steps_per_split
+        k_steps = min(gl.cdiv(K, BLOCK_K) - k_first, k_steps_per_split)  # (the launcher leaves none empty)
         rows: gl.constexpr = BLOCK_M // 2
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, hi_bufs, lo_bufs, ready, split_done, empty, out_ptr, bias_ptr, scale_ptr,
-                         parts_ptr, M, N, stride_om, stride_on, part_stride, m2_offset, scale_value, off_m, off_n,
-                         k_steps, 0, rows, BLOCK_N, BLOCK_K, STAGES, A_K_MAJOR, B_MODE, PARTS, STATISTICS,
-                         TRANSPOSED, HAS_BIAS, SCALE_MODE)),
-            (_consumer, (a_bufs, b_bufs, hi_bufs, lo_bufs, ready, split_done, empty, out_ptr, bias_ptr, scale_ptr,
-                         parts_ptr, M, N, stride_om, stride_on, part_stride, m2_offset, scale_value, off_m, off_n,
-                         k_steps, rows, rows, BLOCK_N, BLOCK_K, STAGES, A_K_MAJOR, B_MODE, PARTS, STATISTICS,
-                         TRANSPOSED, HAS_BIAS, SCALE_MODE)),
-            (_loader, (a_desc, b_desc, lo_desc, a_bufs, b_bufs, lo_bufs, ready, empty, off_m, off_n, k_steps, STAGES,
-                       A_K_MAJOR, B_MODE, PARTS)),
+            (_consumer, (a_bufs, b_bufs, hi_bufs, lo_bufs, ready, split_done, empty, out_ptr, partials_ptr, bias_ptr,
+                         scale_ptr, parts_ptr, M, N, stride_om, stride_on, part_stride, m2_offset,
+                         scale_value, off_m, off_n, k_split, k_steps, 0, rows, BLOCK_N, BLOCK_K, STAGES, A_K_MAJOR,
+                         B_MODE, PARTS, STATISTICS, TRANSPOSED, HAS_BIAS, SCALE_MODE)),
+            (_consumer, (a_bufs, b_bufs, hi_bufs, lo_bufs, ready, split_done, empty, out_ptr, partials_ptr, bias_ptr,
+                         scale_ptr, parts_ptr, M, N, stride_om, stride_on, part_stride, m2_offset,
+                         scale_value, off_m, off_n, k_split, k_steps, rows, rows, BLOCK_N, BLOCK_K, STAGES, A_K_MAJOR,
+                         B_MODE, PARTS, STATISTICS, TRANSPOSED, HAS_BIAS, SCALE_MODE)),
+            (_loader, (a_desc, b_desc, lo_desc, a_bufs, b_bufs, lo_bufs, ready, empty, off_m, off_n, k_first, k_steps,
+                       STAGES, A_K_MAJOR, B_MODE, PARTS)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 else:
     gemm_kernel = None  # never launched (warp_specialized_gemm.unlaunchable)

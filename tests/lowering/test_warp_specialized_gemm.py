@@ -62,8 +62,9 @@ def _compile_for_hopper(a_k_major: bool, b_mode: str, statistics: bool, transpos
     block_n = config.block_n
     signature = {"a_desc": descriptor(a_k_major, 128), "b_desc": descriptor(b_mode != "MN", block_n),
                  "lo_desc": descriptor(True, block_n),
-                 **{name: "*fp32" for name in ("out_ptr", "bias_ptr", "scale_ptr", "parts_ptr")},
-                 **{name: "i32" for name in ("M", "N", "K", "stride_om", "stride_on", "part_stride", "m2_offset")},
+                 **{name: "*fp32" for name in ("out_ptr", "partials_ptr", "bias_ptr", "scale_ptr", "parts_ptr")},
+                 **{name: "i32" for name in ("M", "N", "K", "stride_om", "stride_on", "part_stride",
+                                             "m2_offset", "k_steps_per_split")},
                  "scale_value": "fp32",
                  **{name: "constexpr" for name in ("BLOCK_M", "A_K_MAJOR", "B_MODE", "PARTS", "HALF_LAYOUT",
                                                    "STATISTICS", "TRANSPOSED", "HAS_BIAS", "SCALE_MODE", "STAGES",
@@ -152,6 +153,36 @@ def test_with_operand_copies_forbidden_only_the_split_in_the_kernel_is_offered(p
     assert forbidden and all(config.split_in_kernel for _, config in forbidden)
     assert {p for p, _ in forbidden} == variants
     assert warp_specialized_gemm.candidates("native", True) == []
+
+
+@pytest.mark.parametrize("x_rows, weight_rows, k, splits", [
+    (4096, 256, 4096, 2),  # the MLP's last layer: 64 tiles on 132 SMs
+    (256, 4096, 4096, 2),  # its weight gradient, g^T @ x
+    (4096, 4096, 4096, 1),  # 1024 tiles: a wave and more
+    (128, 128, 8192, 4),  # one tile: at most MAX_K_SPLITS
+    (128, 128, 600, 2),  # 19 K blocks: two splits of at least MIN_K_BLOCKS_PER_SPLIT
+    (4096, 256, 200, 1)])  # a K of 7 blocks
+def test_k_is_split_only_as_far_as_the_sms_are_idle_and_k_is_long(monkeypatch, x_rows, weight_rows, k, splits):
+    monkeypatch.setattr(warp_specialized_gemm, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    for precision, config in K_SPLIT_CANDIDATES:
+        assert warp_specialized_gemm.k_splits(precision, config, x_rows, weight_rows, k, cpu) == splits
+        matmul = "tf32x3" if gemm_precisions.prepared(precision).parts == 2 else "tf32"
+        offered = warp_specialized_gemm.candidates(matmul, True, (x_rows, weight_rows, k, cpu))
+        assert ((precision, config) in offered) is (splits > 1)
+    plain = warp_specialized_gemm.CONFIGS[2]
+    assert warp_specialized_gemm.k_splits("split_w", plain, 4096, 256, 4096, cpu) == 1
+
+
+def test_a_chain_is_never_offered_a_k_split():
+    """Its forward's statistics epilogue needs the whole sum of each tile (the chain passes no sizes)."""
+    for precision in ("tf32x3", "tf32"):
+        assert not any(config.split_k for _, config in warp_specialized_gemm.candidates(precision, True))
+    x, w = torch.randn(300, 8), torch.randn(7, 8)
+    with pytest.raises(ValueError, match="without statistics"):
+        torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, "split_w", 0, 128, 32, 4, True)
+    with pytest.raises(ValueError, match="without statistics"):
+        torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, False, "split_w", 128, 128, 32, 4, True)
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -281,7 +312,8 @@ def _triton_twin(precision, x, w):
 @requires_cuda
 @requires_hopper
 @pytest.mark.cuda
-@pytest.mark.parametrize("split, config", warp_specialized_gemm.CANDIDATES, ids=CASE_ID)
+@pytest.mark.parametrize("split, config", [(p, c) for p, c in warp_specialized_gemm.CANDIDATES if not c.split_k],
+                         ids=CASE_ID)
 @pytest.mark.parametrize("layout", ["forward", "grad_x", "grad_w"])
 def test_as_exact_as_the_triton_gemm_of_its_precision_at_partial_tiles(split, config, layout):
     """1000 x 1004 -> 1300 (K ends in a partial block, the last row and column tiles are partial), the
@@ -302,6 +334,73 @@ def test_as_exact_as_the_triton_gemm_of_its_precision_at_partial_tiles(split, co
     twin, bound = _triton_twin(split, x, w)
     ours, triton_twin = rel_error(y, exact), rel_error(twin, exact)
     assert ours <= 1.5 * triton_twin and ours < bound, (ours, triton_twin)
+
+
+K_SPLIT_CANDIDATES = [(p, c) for p, c in warp_specialized_gemm.CANDIDATES if c.split_k]
+
+
+def _operands(rows, k, features, layout, seed):
+    """x (rows, k) and W (features, k) as a forward, an input gradient (W read through a transposed view) or a
+    weight gradient (both) hand them to the GEMM, and a bias."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, k, device="cuda", generator=g)
+    w = torch.randn(features, k, device="cuda", generator=g) / k ** 0.5
+    if layout in ("grad_x", "grad_w"):
+        w = w.t().contiguous().t()
+    if layout == "grad_w":
+        x = x.t().contiguous().t()
+    return x, w, torch.randn(features, device="cuda", generator=g)
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.cuda
+@pytest.mark.parametrize("split, config", K_SPLIT_CANDIDATES, ids=CASE_ID)
+@pytest.mark.parametrize("layout", ["forward", "grad_x", "grad_w"])
+@pytest.mark.parametrize("splits", [2, 3, 4])
+def test_k_split_across_programs_is_as_exact_and_adds_the_bias_once(split, config, layout, splits):
+    """200 x 1004 -> 136: 2 x 2 tiles, partial in both dimensions, and 32 K blocks of 32 (the last partial)
+    split in 2, 3 (11, 11, 10) or 4 parts, each summed by programs of their own: as exact as the Triton GEMM of
+    its precision, the bias added once, and the same sum as one program per tile to within its precision."""
+    x, w, bias = _operands(200, 1004, 136, layout, seed=11)
+    how = gemm_precisions.prepared(split)
+    transposed = how.operand == "x"
+    y, whole = (torch.full((200, 136), float("nan"), device="cuda") for _ in range(2))
+    a, b = (w, x) if transposed else (x, w)
+    for out, n in ((y, splits), (whole, 1)):
+        warp_specialized_gemm.gemm_into(out.t() if transposed else out, a, b, config, how.parts, transposed,
+                                        warp_specialized_gemm.Epilogue(bias), splits=n)
+    exact = F.linear(x.double(), w.double(), bias.double())
+    twin, bound = _triton_twin(split, x, w)
+    ours, triton_twin = rel_error(y, exact), rel_error(twin + bias, exact)
+    assert ours <= 1.5 * triton_twin and ours < bound, (ours, triton_twin)
+    assert rel_error(y, whole) < bound
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.cuda
+@pytest.mark.parametrize("split, config", K_SPLIT_CANDIDATES, ids=CASE_ID)
+def test_the_op_splits_k_where_its_tiles_leave_sms_idle(split, config):
+    """The op with split_k at 256 x 2048 -> 128 (two tiles, 64 K blocks): k_splits gives it MAX_K_SPLITS parts on
+    an H100 or H200, the same result, bit for bit, as gemm_into with that many; a linear op call at the MLP's last
+    layer (4096 x 4096 -> 256, 64 tiles) is offered it, one at 4096 x 4096 -> 4096 (1024 tiles) not."""
+    x, w, bias = _operands(256, 2048, 128, "forward", seed=12)
+    splits = warp_specialized_gemm.k_splits(split, config, 256, 128, 2048, x.device)
+    assert splits == warp_specialized_gemm.MAX_K_SPLITS
+    y, _ = torch.ops.fusepass.warp_specialized_linear(x, w, bias, None, 1.0, False, split, 0, config.block_n,
+                                                      config.block_k, config.num_stages, True)
+    how = gemm_precisions.prepared(split)
+    expected = torch.empty_like(y)
+    a, b, out = (w, x, expected.t()) if how.operand == "x" else (x, w, expected)
+    warp_specialized_gemm.gemm_into(out, a, b, config, how.parts, how.operand == "x",
+                                    warp_specialized_gemm.Epilogue(bias), splits=splits)
+    assert torch.equal(y, expected)
+    for features, offered in ((256, True), (4096, False)):
+        call = linear.LinearCall(torch.empty(4096, 4096, device="cuda"), torch.empty(features, 4096, device="cuda"),
+                                 None, "tf32x3", "auto", None, True, True)
+        names = list(linear.candidates(call, linear.problem(call, False), False))
+        assert any("split-K" in n for n in names) is offered, names
 
 
 @requires_cuda
