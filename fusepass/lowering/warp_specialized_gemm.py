@@ -80,9 +80,9 @@ SHARED_MEMORY_BYTES = 4 * 3 * 128 * 32 * 4
 # MIN_K_BLOCKS_PER_SPLIT K blocks long, so that the pipeline's fill and the epilogue's store stay a small part
 # of a program's time. GPU time (tuning.gpu_time) at 4096 x 4096 -> 256 on an H200, split in the kernel, two
 # splits against none: 3xTF32 forward 0.079 against 0.140 ms, weight gradient 0.080 against 0.141; TF32 (round_w)
-# 0.049 against 0.081 and 0.051 against 0.086. Launched from Python one at a time, the split op's two launches
-# take 0.16-0.33 ms of host per call: the tuners judge by GPU time, and offer the op without CUDA graphs only
-# where its launches hide (linear.warp_specialized_offered).
+# 0.049 against 0.081 and 0.051 against 0.086. Launched back to back from Python, a call took 0.16-0.33 ms
+# (host-bound: the op and its two launches); the tuners judge by GPU time, and which GEMMs are offered the op
+# at all is linear.warp_specialized_offered's rule.
 K_SPLIT_CONFIGS = [GemmConfig(BLOCK_M, 128, 32, GROUP_M, 4, 4, warp_specialized=True, split_in_kernel=True,
                               split_k=True)]
 ROUNDED_K_SPLIT_CONFIGS = [GemmConfig(BLOCK_M, 128, 32, GROUP_M, 4, 6, warp_specialized=True, split_in_kernel=True,
