@@ -209,7 +209,7 @@ def gemm_into(out: Tensor, a: Tensor, b: Tensor, config: GemmConfig, parts: int,
     block_n, block_k = config.block_n, config.block_k
     k_blocks = ceil_div(k, block_k)
     steps_per_split = ceil_div(k_blocks, max(1, min(splits, k_blocks)))
-    splits = ceil_div(k_blocks, steps_per_split)
+    splits = ceil_div(k_blocks, steps_per_split) if steps_per_split else 1  # (no K: unlaunchable's)
     if splits > 1 and (epilogue.parts is not None or out.stride() != _dense_strides(out)):
         raise ValueError("warp-specialized GEMM: K split only into a dense output without statistics")
     partials = out.new_empty(((splits - 1) * out.numel(),)) if splits > 1 else out  # (out: never written)
@@ -235,7 +235,8 @@ def gemm_into(out: Tensor, a: Tensor, b: Tensor, config: GemmConfig, parts: int,
 
 
 def _dense_strides(out: Tensor) -> tuple[int, int]:
-    """out's strides were it y (row-major) or y^T (column-major), whichever its own are closer to."""
+    """The strides out has if it is dense: row-major where its columns are contiguous (y), else column-major
+    (y^T)."""
     rows, cols = out.shape
     return (cols, 1) if out.stride(1) == 1 else (1, rows)
 

@@ -248,7 +248,7 @@ if gluon is not None:
         a_desc, b_desc, lo_desc,  # descriptors: a (M, K) K-major, or a^T (K, M); b (N, K), b^T (K, N) or b's hi
         # and lo (N, K) (B_MODE; lo_desc read only for B_SPLIT_IN_MEMORY)
         out_ptr, partials_ptr, bias_ptr, scale_ptr, parts_ptr,  # pointers: out (M, N), the other K splits' sums
-        # (K_SPLITS - 1 of out's layout); per feature; the statistics' partials
+        # (one fewer than the K splits, each laid out as out); per feature; the statistics' partials
         M, N, K, stride_om, stride_on, part_stride, m2_offset,  # sizes, strides
         k_steps_per_split, scale_value,
         BLOCK_M: gl.constexpr, A_K_MAJOR: gl.constexpr, B_MODE: gl.constexpr, PARTS: gl.constexpr,
