@@ -20,7 +20,6 @@ Inductor there later, are launched statically too.
 from __future__ import annotations
 
 import os
-from unittest import mock
 
 import torch
 from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
@@ -33,8 +32,14 @@ def start() -> None:
     a CUDA GPU, unless they are running already. A value the user gave the variable is kept."""
     if not torch.cuda.is_available() or running():
         return
-    with mock.patch.dict(os.environ, {STATIC_USER_KERNELS_ENV: os.environ.get(STATIC_USER_KERNELS_ENV, "1")}):
+    if STATIC_USER_KERNELS_ENV in os.environ:
         maybe_warm_pool()
+        return
+    os.environ[STATIC_USER_KERNELS_ENV] = "1"
+    try:
+        maybe_warm_pool()
+    finally:
+        del os.environ[STATIC_USER_KERNELS_ENV]
 
 
 def running() -> bool:

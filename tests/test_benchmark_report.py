@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -324,3 +325,13 @@ def test_the_multi_gpu_table_shows_the_rounds_range_where_a_run_has_rounds():
     a_row, b_row = [line for line in table.splitlines() if "_problem" in line]
     assert "| 1.10–1.20×" in a_row  # 3.3 / 3.0 and 3.0 / 2.5
     assert "| 1.20×" in a_row and "| -  " in b_row
+
+
+def test_the_reports_texts_quote_the_thresholds_current_values(tmp_path):
+    """The report names choice's thresholds with their values; a changed constant must change the text too."""
+    from fusepass.lowering import choice
+    text = report.render([], "", [])
+    for name in ("TF32X3_MIN_FLOP", "UNGRAPHED_MIN_FLOP"):
+        value = f"{getattr(choice, name):.2g}".replace("e+", "e")
+        quoted = re.findall(rf"`choice\.{name}`,? \(?([0-9.]+e[0-9]+)", text)
+        assert quoted and set(quoted) == {value}, (name, quoted, value)

@@ -32,6 +32,17 @@ def test_the_pool_starts_with_static_user_kernels_and_the_variable_is_restored(p
     assert STATIC_USER_KERNELS_ENV not in os.environ
 
 
+def test_the_variable_is_restored_when_the_pool_fails_to_start(pool_starts, monkeypatch):
+    def fails():
+        pool_starts.append(os.environ.get(STATIC_USER_KERNELS_ENV))
+        raise RuntimeError("no workers")
+    monkeypatch.setattr(compile_workers, "maybe_warm_pool", fails)
+    with pytest.raises(RuntimeError, match="no workers"):
+        compile_workers.start()
+    assert pool_starts == ["1"]
+    assert STATIC_USER_KERNELS_ENV not in os.environ
+
+
 def test_the_users_own_setting_is_kept(pool_starts, monkeypatch):
     monkeypatch.setenv(STATIC_USER_KERNELS_ENV, "0")
     compile_workers.start()
