@@ -263,7 +263,9 @@ def gpu_time(run: Callable[[], Any]) -> float:
         ms = flushed - _flush_ms(cache)
         if ms <= 0:  # the flush was timed while the GPU was busier than now (seen under 8 test workers)
             ms = flushed - _flush_ms(cache, again=True)
-        return max(ms, 0.0)
+        if ms <= 0:  # still lost in the load's noise (seen under 12): the run alone, L2 not flushed, not 0
+            ms = triton.testing.do_bench_cudagraph(run, rep=TIMING_MS, return_mode="median")
+        return ms
     except Exception as exc:  # noqa: BLE001  (not capturable: time it from Python, which flushes too)
         log.info("fusepass tuning: CUDA-graph timing failed (%r); timing from Python", exc)
         return launched_time(run)
