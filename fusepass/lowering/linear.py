@@ -282,7 +282,8 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
     operands. With operand copies forbidden (kernel_operand_copies=False), neither: the precision itself
     (on strided loads), and cuBLAS. In TF32 and 3xTF32, also the warp-specialized Gluon kernel
     (warp_specialized_gemm.py) preparing either operand, on an sm_90 GPU (where warp_specialized_offered):
-    in the kernel, which copies nothing and so is offered with copies forbidden too, and in memory (where
+    in the kernel, which copies nothing and so is offered with copies forbidden too (also with K split across
+    programs where the bucket's tiles leave SMs idle: warp_specialized_gemm.k_splits), and in memory (where
     launches_hidden)."""
     x, weight = call.x, call.weight
     m, k, n = _gemm_sizes(call, problem)
