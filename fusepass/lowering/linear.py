@@ -283,8 +283,8 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
     (on strided loads), and cuBLAS. In TF32 and 3xTF32, also the warp-specialized Gluon kernel
     (warp_specialized_gemm.py) preparing either operand, on an sm_90 GPU (where warp_specialized_offered):
     in the kernel, which copies nothing and so is offered with copies forbidden too (also with K split across
-    programs where the bucket's tiles leave SMs idle: warp_specialized_gemm.k_splits), and in memory (where
-    launches_hidden)."""
+    programs where the bucket's tiles leave SMs idle, warp_specialized_gemm.k_splits, and its launches hide or
+    the GEMM has K_SPLIT_UNHIDDEN_MIN_FLOP), and in memory (where launches_hidden)."""
     x, weight = call.x, call.weight
     m, k, n = _gemm_sizes(call, problem)
     precision = _precision(call)
@@ -302,9 +302,10 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
                   triton_configs(precisions, x.dtype, m, n, x.device, tma=not traced)]
         flop = 2 * m * k * n
         if warp_specialized_offered(call, flop, precision):
-            sizes = (m, n, k, x.device)
-            found += [LinearImplementation(p, config) for p, config in
-                      warp_specialized_gemm.candidates(precision, copies and launches_hidden(call, flop), sizes)]
+            hidden = launches_hidden(call, flop)
+            k_split = hidden or flop >= warp_specialized_gemm.K_SPLIT_UNHIDDEN_MIN_FLOP
+            found += [LinearImplementation(p, config) for p, config in warp_specialized_gemm.candidates(
+                precision, copies and hidden, (m, n, k, x.device) if k_split else None)]
         if not k_major and search == "full" and copies:
             found.append(LinearImplementation(precision, gemm_configs.candidates(precision, x.dtype)[0], True))
         found = [impl for impl in found if impl.unlaunchable(call) is None]

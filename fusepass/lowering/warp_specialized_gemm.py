@@ -89,6 +89,12 @@ ROUNDED_K_SPLIT_CONFIGS = [GemmConfig(BLOCK_M, 128, 32, GROUP_M, 4, 6, warp_spec
                                       split_k=True)]
 MAX_K_SPLITS = 4
 MIN_K_BLOCKS_PER_SPLIT = 8
+# Split K costs the host one more launch (the partial sums' add) and an allocation, about as much as a small
+# GEMM's own launch (18 us of host for a cuBLAS bf16 mm on the H200 machine), and saves at most about 40% of the
+# GEMM's GPU time (0.140 -> 0.079 ms at 8.6e9 FLOP): a default-mode step, whose launches may not hide, is offered
+# it from 4e9 FLOP, where that saving (about 29 us, scaled from that shape) passes the launch's cost
+# (linear.candidates; the bound itself not measured).
+K_SPLIT_UNHIDDEN_MIN_FLOP = 4e9
 
 
 # What the tuners are offered: each precision that prepares an operand with its configs

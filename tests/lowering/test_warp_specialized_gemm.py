@@ -383,8 +383,9 @@ def test_k_split_across_programs_is_as_exact_and_adds_the_bias_once(split, confi
 @pytest.mark.parametrize("split, config", K_SPLIT_CANDIDATES, ids=CASE_ID)
 def test_the_op_splits_k_where_its_tiles_leave_sms_idle(split, config):
     """The op with split_k at 256 x 2048 -> 128 (two tiles, 64 K blocks): k_splits gives it MAX_K_SPLITS parts on
-    an H100 or H200, the same result, bit for bit, as gemm_into with that many; a linear op call at the MLP's last
-    layer (4096 x 4096 -> 256, 64 tiles) is offered it, one at 4096 x 4096 -> 4096 (1024 tiles) not."""
+    an H100 or H200, the same result, bit for bit, as gemm_into with that many. A linear op call at the MLP's last
+    layer (4096 x 4096 -> 256, 64 tiles, 8.6e9 FLOP) is offered it, one at 4096 x 4096 -> 4096 (1024 tiles) not;
+    an input gradient at 128 x 512 -> 1024 (eight tiles, 1.3e8 FLOP) only under CUDA graphs."""
     x, w, bias = _operands(256, 2048, 128, "forward", seed=12)
     splits = warp_specialized_gemm.k_splits(split, config, 256, 128, 2048, x.device)
     assert splits == warp_specialized_gemm.MAX_K_SPLITS
@@ -396,11 +397,12 @@ def test_the_op_splits_k_where_its_tiles_leave_sms_idle(split, config):
     warp_specialized_gemm.gemm_into(out, a, b, config, how.parts, how.operand == "x",
                                     warp_specialized_gemm.Epilogue(bias), splits=splits)
     assert torch.equal(y, expected)
-    for features, offered in ((256, True), (4096, False)):
-        call = linear.LinearCall(torch.empty(4096, 4096, device="cuda"), torch.empty(features, 4096, device="cuda"),
-                                 None, "tf32x3", "auto", None, True, True)
+    for rows, k, features, graphs, offered in ((4096, 4096, 256, False, True), (4096, 4096, 4096, True, False),
+                                               (128, 512, 1024, True, True), (128, 512, 1024, False, False)):
+        call = linear.LinearCall(torch.empty(rows, k, device="cuda"), torch.empty(features, k, device="cuda"),
+                                 None, "tf32x3", "auto", None, True, graphs)
         names = list(linear.candidates(call, linear.problem(call, False), False))
-        assert any("split-K" in n for n in names) is offered, names
+        assert any("split-K" in n for n in names) is offered, (rows, k, features, graphs, names)
 
 
 @requires_cuda
