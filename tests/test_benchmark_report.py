@@ -328,10 +328,12 @@ def test_the_multi_gpu_table_shows_the_rounds_range_where_a_run_has_rounds():
 
 
 def test_the_reports_texts_quote_the_thresholds_current_values(tmp_path):
-    """The report names choice's thresholds with their values; a changed constant must change the text too."""
-    from fusepass.lowering import choice
+    """The report names fusepass's thresholds with their values; a changed constant must change the text too."""
+    from fusepass.lowering import choice, warp_specialized_gemm
     text = report.render([], "", [])
-    for name in ("TF32X3_MIN_FLOP", "UNGRAPHED_MIN_FLOP"):
-        value = f"{getattr(choice, name):.2g}".replace("e+", "e")
-        quoted = re.findall(rf"`choice\.{name}`,? \(?([0-9.]+e[0-9]+)", text)
+    for module, name in ((choice, "TF32X3_MIN_FLOP"), (choice, "UNGRAPHED_MIN_FLOP"),
+                         (warp_specialized_gemm, "K_SPLIT_UNHIDDEN_MIN_FLOP")):
+        value = re.sub(r"e\+0*", "e", f"{getattr(module, name):.2g}")  # 4e+09 as the text writes it: 4e9
+        where = module.__name__.rsplit(".", 1)[1]
+        quoted = re.findall(rf"`{where}\.{name}`,? \(?([0-9.]+e[0-9]+)", text)
         assert quoted and set(quoted) == {value}, (name, quoted, value)
