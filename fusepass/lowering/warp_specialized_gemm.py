@@ -216,7 +216,7 @@ def gemm_into(out: Tensor, a: Tensor, b: Tensor, config: GemmConfig, parts: int,
     k_blocks = ceil_div(k, block_k)
     steps_per_split = ceil_div(k_blocks, max(1, min(splits, k_blocks)))
     splits = ceil_div(k_blocks, steps_per_split) if steps_per_split else 1  # (no K: unlaunchable's)
-    if splits > 1 and (epilogue.parts is not None or out.stride() != _dense_strides(out)):
+    if splits > 1 and (epilogue.parts is not None or not (out.is_contiguous() or out.t().is_contiguous())):
         raise ValueError("warp-specialized GEMM: K split only into a dense output without statistics")
     partials = out.new_empty(((splits - 1) * out.numel(),)) if splits > 1 else out  # (out: never written)
     a_desc, b_desc = _descriptor(a, k, BLOCK_M, block_k), _descriptor(b, k, block_n, block_k)
@@ -239,12 +239,6 @@ def gemm_into(out: Tensor, a: Tensor, b: Tensor, config: GemmConfig, parts: int,
         sums = partials.as_strided((splits - 1, *out.shape), (out.numel(), *out.stride()))
         out.add_(sums[0] if splits == 2 else sums.sum(0))
 
-
-def _dense_strides(out: Tensor) -> tuple[int, int]:
-    """The strides out has if it is dense: row-major where its columns are contiguous (y), else column-major
-    (y^T)."""
-    rows, cols = out.shape
-    return (cols, 1) if out.stride(1) == 1 else (1, rows)
 
 
 def rows_per_part(precision: str, block_n: int) -> int:
