@@ -302,6 +302,19 @@ def test_an_mn_major_tile_split_in_the_kernel_takes_a_stage_of_shared_memory(blo
     assert warp_specialized_gemm.stages_that_fit(config, B_MODES[mode].value, parts) == fit
 
 
+def _operands(rows, k, features, layout, seed):
+    """x (rows, k) and W (features, k) as a forward, an input gradient (W read through a transposed view) or a
+    weight gradient (both) hand them to the GEMM, and a bias."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, k, device="cuda", generator=g)
+    w = torch.randn(features, k, device="cuda", generator=g) / k ** 0.5
+    if layout in ("grad_x", "grad_w"):
+        w = w.t().contiguous().t()
+    if layout == "grad_w":
+        x = x.t().contiguous().t()
+    return x, w, torch.randn(features, device="cuda", generator=g)
+
+
 def _triton_twin(precision, x, w):
     """The Triton GEMM of the same precision (W split or rounded in memory), and its error bound."""
     twin, bound = TRITON_TWIN[gemm_precisions.prepared(precision).parts]
@@ -319,13 +332,7 @@ def test_as_exact_as_the_triton_gemm_of_its_precision_at_partial_tiles(split, co
     """1000 x 1004 -> 1300 (K ends in a partial block, the last row and column tiles are partial), the
     prepared operand in memory in blocks of 384 rows (three or four blocks, the last partial) or in the
     kernel; grad_x reads W through a transposed view, grad_w x as well (both MN-major)."""
-    g = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(1000, 1004, device="cuda", generator=g)
-    w = torch.randn(1300, 1004, device="cuda", generator=g) / 1004 ** 0.5
-    if layout in ("grad_x", "grad_w"):
-        w = w.t().contiguous().t()
-    if layout == "grad_w":
-        x = x.t().contiguous().t()
+    x, w, _ = _operands(1000, 1004, 1300, layout, seed=3)
     assert warp_specialized_gemm.unlaunchable(x, w, torch.float32, split, config) is None
     y, _ = torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, False, split,
                                                       0 if config.split_in_kernel else 384, config.block_n,
@@ -337,19 +344,6 @@ def test_as_exact_as_the_triton_gemm_of_its_precision_at_partial_tiles(split, co
 
 
 K_SPLIT_CANDIDATES = [(p, c) for p, c in warp_specialized_gemm.CANDIDATES if c.split_k]
-
-
-def _operands(rows, k, features, layout, seed):
-    """x (rows, k) and W (features, k) as a forward, an input gradient (W read through a transposed view) or a
-    weight gradient (both) hand them to the GEMM, and a bias."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(rows, k, device="cuda", generator=g)
-    w = torch.randn(features, k, device="cuda", generator=g) / k ** 0.5
-    if layout in ("grad_x", "grad_w"):
-        w = w.t().contiguous().t()
-    if layout == "grad_w":
-        x = x.t().contiguous().t()
-    return x, w, torch.randn(features, device="cuda", generator=g)
 
 
 @requires_cuda
