@@ -291,6 +291,30 @@ def test_gemm_alone_section_has_both_kernels_the_ratio_and_the_peak_fraction(tmp
         "1024×8192→8192", "bf16", "0.200", "687", "0.250", "550", "native 128x256x64 g8 w8 s3", "0.80×", "56%",
         "2.0e-03", "2.1e-03"]
     assert "gemm-alone" not in section_text(text, "Sources")  # not a timing source
+    assert "By GPU time" not in section_text(text, "GEMM alone")  # a file without GPU times has one table
+
+
+def test_gemm_alone_section_has_a_table_by_gpu_time_where_the_file_records_it(tmp_path):
+    launched = {"m": 4096, "k": 4096, "n": 256, "precision": "tf32x3", "cublas_ms": 0.19, "cublas_tflops": 45.2,
+                "cublas_rel_err": 6e-7, "fusepass_config": "split_w 128x128x32", "fusepass_ms": 0.16,
+                "fusepass_tflops": 53.7, "fusepass_rel_err": 2.4e-7, "vs_cublas": 1.19, "of_peak": 0.325}
+    gpu = {"cublas_gpu_ms": 0.18, "cublas_gpu_tflops": 47.7, "fusepass_gpu_config": "split_w 128x128x32 split-K",
+           "fusepass_gpu_ms": 0.08, "fusepass_gpu_tflops": 107.4, "fusepass_gpu_rel_err": 2.5e-7,
+           "gpu_vs_cublas": 2.25, "gpu_of_peak": 0.651}
+    gemms = {"environment": {"device": "NVIDIA H200", "torch": "9.9.0", "triton": "8.8.0",
+                             "date": "2030-01-01T00:00:00+00:00", "command": "python tools/gemm_alone.py"},
+             "gemm_alone": [launched | gpu]}
+    text = write_report(tmp_path, {"forward-fp32": payload(four_providers()), "gemm-alone": gemms})
+    section = section_text(text, "GEMM alone")
+    launched_table, gpu_table = section.split("By GPU time")
+
+    def cells(table: str) -> list[str]:
+        (row,) = [line for line in table.splitlines() if line.startswith("| 4096")]
+        return [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells(launched_table) == ["4096×4096→256", "tf32x3", "0.190", "45", "0.160", "54", "split_w 128x128x32",
+                                     "1.19×", "32%", "6.0e-07", "2.4e-07"]
+    assert cells(gpu_table) == ["4096×4096→256", "tf32x3", "0.180", "48", "0.080", "107",
+                                "split_w 128x128x32 split-K", "2.25×", "65%", "6.0e-07", "2.5e-07"]
 
 
 def test_largest_batch_section_has_each_provider_and_the_ratio(tmp_path):
