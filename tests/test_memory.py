@@ -15,7 +15,7 @@ from torch._inductor.utils import run_fw_bw_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fusepass  # noqa: F401  (registers the backend)
-from fusepass.lowering import launch
+from fusepass.lowering import blocks, launch
 from tests.chains import MLP, ChainModel, assert_fused, make_input, requires_cuda
 from tests.test_tail import TailModel
 
@@ -222,6 +222,32 @@ def test_a_tf32_backwards_roundings_are_made_in_the_backward_on_cuda():
     assert_fused(rewrites=1)
     assert "_tf32_split_kernel" not in forward_code
     assert "_tf32_split_kernel" in backward_code
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_a_blocked_gemms_roundings_are_each_made_after_the_block_before_on_cuda(monkeypatch):
+    """TF32, tuning off, copies bounded to one column tile of W's rows: each backward GEMM rounds its
+    transposed operand (round_w) in several blocks. Traced, each block's rounding comes after the GEMM of
+    the block before (run_in_blocks's `after`), so that one block's copy is held at a time: Inductor
+    otherwise made every block's rounding before the first GEMM."""
+    monkeypatch.setenv("FUSEPASS_TUNE", "0")
+    monkeypatch.setattr(blocks, "COPY_BYTES", 1)
+    monkeypatch.setattr(blocks, "BLOCK_WAVES", 0)
+    torch._dynamo.reset()
+    torch.manual_seed(6)
+    model = torch.compile(ChainModel(512, 384).cuda(), backend="fusepass")
+    x = torch.randn(320, 512, device="cuda", requires_grad=True)
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        _, (_, backward_code) = run_fw_bw_and_get_code(lambda: model(x).sum())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    assert_fused(rewrites=1)
+    launches = re.findall(r"(_tf32_split_kernel|_gemm_kernel)\w*(?:\.run\(|\[)", backward_code)
+    assert launches.count("_tf32_split_kernel") >= 4, launches  # dX's and dW's, two blocks or more each
+    assert ("_tf32_split_kernel", "_tf32_split_kernel") not in set(zip(launches, launches[1:])), launches
 
 
 def test_stored_is_a_stride_preserving_store_when_traced_and_the_tensor_itself_in_eager():

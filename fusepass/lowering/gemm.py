@@ -354,28 +354,32 @@ def needs_k_major_copy(weight: Tensor, precision: str) -> bool:
             and weight.stride(1) != 1)
 
 
-def _prepare_operands(x: Tensor, weight: Tensor, precision: str) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+def _prepare_operands(x: Tensor, weight: Tensor, precision: str,
+                      after: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """(x, weight, lo) as the kernel reads them: the operand the precision prepares in memory replaced by
-    its tf32 hi, and lo its low half where split (else None), in buffers k columns wide or a little more."""
+    its tf32 hi, and lo its low half where split (else None), in buffers k columns wide or a little more.
+    Made after `after` exists (split_tf32's), by default after the other operand: in a backward, after the
+    gradient."""
     how = prepared(precision)
     if how is None:
         return x, weight, None
-    # Made after the other operand exists (split_tf32's `after`): in a backward, after the gradient.
     of_x = how.operand == "x"
     operand, other = (x, weight) if of_x else (weight, x)
-    hi, lo = split_tf32(operand, other) if how.parts == 2 else (round_tf32(operand, other), None)
+    after = other if after is None else after
+    hi, lo = split_tf32(operand, after) if how.parts == 2 else (round_tf32(operand, after), None)
     return (hi, weight, lo) if of_x else (x, hi, lo)
 
 
 def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: GemmConfig,
                epilogue: int = EPILOGUE_LINEAR.value, store_y: bool = True, scale_before: Scale = Scale(),
-               eval_norm: Optional[EvalNormalization] = None) -> GemmOutputs:
-    """One launch: x @ W^T + b into y's columns y_col0 on, and the epilogue's other outputs (new)."""
+               eval_norm: Optional[EvalNormalization] = None, after: Optional[Tensor] = None) -> GemmOutputs:
+    """One launch: x @ W^T + b into y's columns y_col0 on, and the epilogue's other outputs (new); an
+    operand prepared in memory is made after `after` exists (_prepare_operands)."""
     x, weight, bias = linear.x, linear.weight, linear.bias
     m, k = x.shape
     n = weight.shape[0]
     device = x.device
-    x, weight, lo = _prepare_operands(x, weight, precision)
+    x, weight, lo = _prepare_operands(x, weight, precision, after)
     # The operands' shapes from here on are (m, k) and (n, k), whatever their buffers' widths.
     if needs_k_major_copy(weight, precision):
         weight = weight.contiguous()

@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusepass.lowering import gemm, gemm_configs, limits, warp_specialized_gemm
-from fusepass.lowering.gemm_precisions import prepared
-from fusepass.lowering.launch import ceil_div, hint, tracing
+from fusepass.lowering import blocks, gemm, gemm_configs, limits, warp_specialized_gemm
+from fusepass.lowering.launch import ceil_div, tracing
 from fusepass.lowering.normalize import (Partials, Statistics, normalize_linear_output, normalize_training,
                                          output_pass)
 from fusepass.lowering.schema import ChainArgs, ChainOutputs, flatten
@@ -100,15 +99,15 @@ def on_triton_gemm(args: ChainArgs, precision: str, config: gemm_configs.GemmCon
 def on_warp_specialized_gemm(args: ChainArgs, precision: str, config: gemm_configs.GemmConfig) -> ChainOutputs:
     """Training: the GEMM, its statistics' partials from its epilogue, and the output pass. Eval: the GEMM,
     then the passes after it (as on cuBLAS: its epilogue has no eval-mode normalization). The prepared
-    operand is split or rounded in the kernel, or in memory whole at its size hint (as the Triton GEMM's
-    forward prepares it; a larger batch than the hint runs in more blocks)."""
+    operand is split or rounded in the kernel, or in memory in the linear op's blocks (blocks.py), in
+    whole tiles of it: the statistics' parts of a prepared x cover a tile's rows. Prepared whole, W's
+    split held the fp32 MLP step's peak, in its second layer's forward: 322 MB, 128 of them the split
+    (H200)."""
     lin, scale = args.linear, args.scale_before
     training = args.batch_norm.training
-    tile = config.block_n  # the prepared operand's rows per tile
-    whole = ceil_div(hint((lin.x if prepared(precision).operand == "x" else lin.weight).shape[0]), tile) * tile
     y, flat_parts = torch.ops.fusepass.warp_specialized_linear(
         lin.x, lin.weight, lin.bias, scale.tensor, scale.value, training, precision,
-        0 if config.split_in_kernel else whole, config.block_n, config.block_k, config.num_stages)
+        prepared_rows_per_launch(lin, precision, config), config.block_n, config.block_k, config.num_stages)
     if not training:
         out, stats = normalize_linear_output(y, args, out=_output_buffer(y, args))
         return _outputs(args, out, stats, y)
@@ -118,6 +117,13 @@ def on_warp_specialized_gemm(args: ChainArgs, precision: str, config: gemm_confi
     out = _output_buffer(y, args)
     normalize_training(y, parts, stats, args, out)
     return _outputs(args, out, stats, y)
+
+
+def prepared_rows_per_launch(linear: gemm.Linear, precision: str, config: gemm_configs.GemmConfig) -> int:
+    """The chain's block_rows for the warp-specialized op: 0 (prepared in the kernel), or the linear op's
+    blocks rounded up to whole tiles of the prepared operand (config.block_n of its rows)."""
+    tile = config.block_n
+    return ceil_div(blocks.warp_specialized_block_rows(linear, precision, config), tile) * tile
 
 
 def on_cublas(args: ChainArgs, precision: str) -> ChainOutputs:

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusepass.lowering import gemm, gemm_configs, limits, tuning, warp_specialized_gemm
+from fusepass.lowering import blocks, gemm, gemm_configs, limits, tuning, warp_specialized_gemm
 from fusepass.lowering.choice import (UNGRAPHED_MIN_FLOP, cublas_traceable, gemm_option, matmul_precision,
                                       triton_configs)
-from fusepass.lowering.gemm_precisions import prepared, prepared_variant, prepares, preparing_weight
+from fusepass.lowering.gemm_precisions import prepared, prepared_variant
 from fusepass.lowering.implementations import cublas_precision, gemm_unlaunchable
 from fusepass.lowering.launch import hint, stored
 from fusepass.lowering.schema import FLOAT16_DTYPES, KernelOptions, Linear
@@ -80,7 +80,7 @@ class LinearImplementation:
             with cublas_precision(self.precision):
                 return _library_linear(x, weight, bias, _out_dtype(call))
         if self.config.warp_specialized:
-            rows = _warp_specialized_block_rows(Linear(x, weight, bias), self.precision, self.config)
+            rows = blocks.warp_specialized_block_rows(Linear(x, weight, bias), self.precision, self.config)
             c = self.config
             y, _ = torch.ops.fusepass.warp_specialized_linear(x, weight, bias, None, 1.0, False, self.precision, rows,
                                                               c.block_n, c.block_k, c.num_stages, c.split_k)
@@ -104,65 +104,31 @@ class LinearImplementation:
                             _copy_past_limit(call, self.precision, self.config))
 
 
-# The most memory the GEMM's copies of W take at once (its tf32 split, or a K-major copy): 16 MiB, a
-# sixteenth of an 8192 x 8192 fp32 W. Unless a block would then have less than BLOCK_WAVES waves of tiles
-# on the GPU's SMs, in whole column tiles: blocked into 128-column strips, a 16384-row batch's weight
-# gradient took the fp32 training step from 13.0 to 17.5 ms (H200, 16384 x 4096 -> 4096). Two waves
-# against eight (H100, one run, fp32 training steps): the MLP 5.84 -> 5.93 ms and 444 -> 365 MB,
-# 16384 x 4096 -> 4096 11.99 -> 12.00 ms and 1344 -> 961 MB, 1024 x 8192 -> 8192 3.05 -> 2.95 ms. Rounded
-# down to whole column tiles, not up: blocks of 32 row tiles then take 256 tiles (1.94 waves), not 288
-# (2.2 waves, run in three; with them, and a rule since dropped, the MLP's step took 6.79 ms against
-# 5.74, H200).
-COPY_BYTES = 16 << 20
-BLOCK_WAVES = 2
-
-
 # The most a GEMM's tf32 split may copy of an operand whose size grows with the batch: a weight gradient
-# splits one of two (batch x features) operands, whose block of BLOCK_WAVES waves is often all of it (a
-# 4096-feature layer: 32 KiB per row, 8 GiB at 262144 rows). Past it the call runs on cuBLAS, copying
+# splits one of two (batch x features) operands, whose block of blocks.BLOCK_WAVES waves is often all of
+# it (a 4096-feature layer: 32 KiB per row, 8 GiB at 262144 rows). Past it the call runs on cuBLAS, copying
 # nothing: an MLP(1024, [4096, 4096, 256]) training step at 262144 rows held 23.0 GB on the Triton GEMMs,
 # 16.9 on cuBLAS, against Inductor's 21.0 (fp32, H100). 512 MiB keeps the seed problems' choices: their
 # largest split copy is a 16384-row weight gradient's, 512 MiB at 4096 x 4096.
 SPLIT_COPY_LIMIT = 512 << 20
 
 
-def run_in_blocks(linear: Linear, precision: str, config: gemm_configs.GemmConfig, copy_bytes: int = COPY_BYTES,
+def run_in_blocks(linear: Linear, precision: str, config: gemm_configs.GemmConfig, copy_bytes: Optional[int] = None,
                   block_tiles: Optional[int] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    """x @ W^T + b on the Triton GEMM, in blocks of W's rows (y's columns) where the GEMM copies W: each
-    block's copies take at most `copy_bytes`, not W's size again, and are freed after its GEMM, unless a
-    block would then have fewer output tiles than `block_tiles` (default BLOCK_WAVES waves of the GPU's
-    SMs) rounded down to whole column tiles (at least one). Traced, Inductor orders the blocks' kernels
-    and may make a block's copies before the last block's GEMM (seen: a TF32 weight gradient at 1024 x
-    8192 -> 8192 on an H100 held both blocks' roundings at once, 16 MiB each)."""
+    """x @ W^T + b on the Triton GEMM, in blocks of W's rows (y's columns) where the GEMM copies W
+    (blocks.block_rows, `copy_bytes` and `block_tiles` passed on), each block's copies freed after its
+    GEMM. Each block's copies are made after y, which the block before wrote, exists: traced, Inductor
+    would otherwise order the blocks' kernels its own way, and made every block's copies before the first
+    GEMM (a TF32 weight gradient at 1024 x 8192 -> 8192 held both blocks' roundings, 16 MiB each, at the
+    step's peak: 384 MB, H200)."""
     x, weight, bias = linear.x, linear.weight, linear.bias
     m, n = x.shape[0], weight.shape[0]
     y = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
-    rows = _block_rows(linear, precision, config, copy_bytes, block_tiles)
+    rows = blocks.block_rows(linear, precision, config, copy_bytes, block_tiles)
     for n0 in range(0, n, rows):
         block = Linear(x, weight[n0:n0 + rows], bias[n0:n0 + rows] if bias is not None else None)
-        gemm.gemm_into(y, n0, block, precision, config)
+        gemm.gemm_into(y, n0, block, precision, config, after=y if n0 else None)
     return y
-
-
-def _block_rows(linear: Linear, precision: str, config: gemm_configs.GemmConfig, copy_bytes: int = COPY_BYTES,
-                block_tiles: Optional[int] = None) -> int:
-    """How many of W's rows run_in_blocks gives each launch."""
-    m, k = (hint(s) for s in linear.x.shape)
-    if block_tiles is None:
-        block_tiles = BLOCK_WAVES * gemm_configs.sm_count(linear.x.device)
-    row_tiles = -(-m // config.block_m)
-    return max(_rows_within(copy_bytes, precision, linear.weight, k, config.block_n),
-               max(1, block_tiles // row_tiles) * config.block_n)
-
-
-def _warp_specialized_block_rows(linear: Linear, precision: str, config: gemm_configs.GemmConfig) -> int:
-    """Rows of the prepared operand per launch of the warp-specialized GEMM: 0 where it prepares it in the
-    kernel (one launch); else run_in_blocks's for W, and for x the same rule with the roles swapped (the
-    kernel computes y^T = W @ x^T)."""
-    if config.split_in_kernel:
-        return 0
-    swapped = linear if prepared(precision).operand == "weight" else Linear(linear.weight, linear.x, None)
-    return _block_rows(swapped, preparing_weight(precision), config)
 
 
 def _copy_past_limit(call: LinearCall, precision: str, config: gemm_configs.GemmConfig) -> Optional[str]:
@@ -176,27 +142,15 @@ def _copy_past_limit(call: LinearCall, precision: str, config: gemm_configs.Gemm
         return None
     if config.warp_specialized:
         split_rows = min((x if how.operand == "x" else weight).shape[0],
-                         _warp_specialized_block_rows(Linear(x, weight, None), precision, config))
+                         blocks.warp_specialized_block_rows(Linear(x, weight, None), precision, config))
     elif how.operand == "x":
         split_rows = x.shape[0]
     else:
-        split_rows = min(weight.shape[0], _block_rows(Linear(x, weight, None), precision, config))
+        split_rows = min(weight.shape[0], blocks.block_rows(Linear(x, weight, None), precision, config))
     copy_bytes = how.parts * split_rows * split_row_stride(x.shape[1]) * x.element_size()
     if copy_bytes > SPLIT_COPY_LIMIT:
         return f"its {precision} copies would take {hint(copy_bytes) >> 20} MiB, past {SPLIT_COPY_LIMIT >> 20} MiB"
     return None
-
-
-def _rows_within(copy_bytes: int, precision: str, weight: Tensor, k: int, block_n: int) -> int:
-    """The most of W's rows, in whole column tiles (at least one), whose copies fit in copy_bytes."""
-    if prepares(precision, "weight"):
-        copies = prepared(precision).parts
-    else:
-        copies = int(gemm.needs_k_major_copy(weight, precision))
-    if copies == 0:
-        return weight.shape[0]
-    tile_bytes = copies * block_n * max(k, 1) * weight.element_size()
-    return min(weight.shape[0], max(1, copy_bytes // tile_bytes) * block_n)
 
 
 def _validate(call: LinearCall) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusepass.lowering import gemm, gemm_configs, gemm_precisions, linear, warp_specialized_gemm
+from fusepass.lowering import blocks, gemm, gemm_configs, gemm_precisions, linear, warp_specialized_gemm
 from fusepass.lowering.schema import KernelOptions
 from fusepass.numerics import rel_error
 from tests.chains import assert_no_further_from_float64, requires_cuda
@@ -67,17 +67,20 @@ def test_blocks_of_w_bound_its_copies_and_change_no_bit(layout, precision, block
     96 columns (one block), 7 take 64, 5 one column tile (32 columns: the copy's bound decides)."""
     a, b = _operands(layout, 37, 24, 70, seed=3)
     whole = gemm.run_gemm(gemm.Linear(a, b, None), precision, SMALL).y
-    launched = []
+    launched, afters = [], []
     gemm_into = gemm.gemm_into
 
-    def recording(y, y_col0, block, *rest):
+    def recording(y, y_col0, block, *rest, after=None):
         launched.append(block.weight.shape[0])
-        return gemm_into(y, y_col0, block, *rest)
+        afters.append(after is y)
+        return gemm_into(y, y_col0, block, *rest, after=after)
     monkeypatch.setattr(gemm, "gemm_into", recording)
     bound = 2 * SMALL.block_n * 24 * 4  # one column tile's split of a 24-wide fp32 W
     y = linear.run_in_blocks(gemm.Linear(a, b, None), precision, SMALL, copy_bytes=bound, block_tiles=1)
     assert torch.equal(y, whole)
     assert launched == blocks
+    # a block's copies come after y, which the block before wrote (traced, that orders them)
+    assert afters == [False] + [True] * (len(blocks) - 1)
     launched.clear()
     linear.run_in_blocks(gemm.Linear(a, b, None), precision, SMALL, copy_bytes=bound, block_tiles=9)
     assert launched == [70]
@@ -102,7 +105,7 @@ def test_a_weight_gradients_blocks_are_whole_waves_of_tiles(batch, out_features,
     monkeypatch.setattr(gemm_configs, "sm_count", lambda device: 132)
     g, x = torch.empty(batch, out_features, device="meta"), torch.empty(batch, in_features, device="meta")
     config = gemm_configs.candidates("split_w", torch.float32)[0]
-    assert min(in_features, linear._block_rows(gemm.Linear(g.t(), x.t(), None), "split_w", config)) == rows
+    assert min(in_features, blocks.block_rows(gemm.Linear(g.t(), x.t(), None), "split_w", config)) == rows
 
 
 @pytest.mark.parametrize("layout, precision", [("grad_weight", "split_w"), ("forward", "split_x")])
@@ -113,7 +116,7 @@ def test_a_split_copy_past_the_limit_leaves_the_call_to_cublas(layout, precision
     a, b = _operands(layout, 37, 24, 70, seed=5)
     call = linear.LinearCall(a, b, None, "tf32x3", "auto")
     impl = linear.LinearImplementation(precision, SMALL)
-    blocked = min(70, linear._block_rows(gemm.Linear(a, b, None), precision, SMALL))
+    blocked = min(70, blocks.block_rows(gemm.Linear(a, b, None), precision, SMALL))
     split_rows = 37 if precision == "split_x" else blocked
     copy_bytes = 2 * split_rows * 32 * 4  # 24 columns, padded to 32
     monkeypatch.setattr(linear, "SPLIT_COPY_LIMIT", copy_bytes)

@@ -18,9 +18,9 @@ import triton
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fusepass.lowering import choice, gemm_configs, gemm_precisions, linear, warp_specialized_gemm
+from fusepass.lowering import blocks, choice, gemm, gemm_configs, gemm_precisions, linear, warp_specialized_gemm
 from fusepass.lowering import warp_specialized_kernels as kernels
-from fusepass.lowering.implementations import Implementation
+from fusepass.lowering.implementations import Implementation, prepared_rows_per_launch
 from fusepass.lowering.launch import ceil_div
 from fusepass.lowering.schema import KernelOptions
 from fusepass.numerics import rel_error
@@ -281,6 +281,26 @@ def test_the_ops_fake_counts_the_parts_of_a_symbolic_batch(split, part_rows):
         assert ceil_div(rows, part_rows) == triton.cdiv(rows, part_rows)
 
 
+@pytest.mark.parametrize("precision, in_kernel, x_shape, w_shape, rows", [
+    ("split_w", False, (4096, 4096), (4096, 4096), 1024),  # the MLP's hidden layer: 8 column tiles of 32 rows
+    ("split_x", False, (4096, 1024), (4096, 1024), 2048),  # its first: 16 MiB hold 2048 rows of x split
+    ("split_x", False, (300, 1024), (4096, 1024), 1024),  # a batch under one block: one launch, whole tiles
+    ("split_w", True, (4096, 4096), (4096, 4096), 0),
+])
+def test_a_chains_forward_prepares_its_operand_in_the_linear_ops_blocks(monkeypatch, precision, in_kernel, x_shape,
+                                                                        w_shape, rows):
+    """Not whole: the chain's forward on the warp-specialized GEMM prepares W (or x) in memory in blocks of
+    the linear op's rule (on 132 SMs: two waves of output tiles, or 16 MiB of copies where that is more),
+    in whole tiles of the prepared operand (a part of x's statistics covers a tile's rows); in the kernel,
+    in one launch."""
+    monkeypatch.setattr(gemm_configs, "sm_count", lambda device: 132)
+    config = next(c for p, c in warp_specialized_gemm.CANDIDATES if p == precision and c.split_in_kernel == in_kernel
+                  and not c.split_k)
+    x, w = torch.empty(x_shape, device="meta"), torch.empty(w_shape, device="meta")
+    assert config.block_n == 128
+    assert prepared_rows_per_launch(gemm.Linear(x, w, None), precision, config) == rows
+
+
 @pytest.mark.parametrize("split, block_rows", [("tf32x3", 128), ("split_x", 200), ("round_x", 200), ("split_w", -1)])
 def test_the_op_refuses_a_split_it_cannot_make(split, block_rows):
     """A precision that prepares no operand, statistics of x prepared in blocks that cut a part of 128 rows,
@@ -446,6 +466,35 @@ def test_a_chain_on_it_is_no_further_from_float64_than_eager(precision, config, 
         assert_like_eager(impl(args), args)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allowed
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision, config", [(p, c) for p, c in IN_MEMORY_AND_IN_KERNEL if not c.split_in_kernel],
+                         ids=CASE_ID)
+def test_a_chain_in_blocks_is_no_further_from_float64_than_eager(monkeypatch, precision, config):
+    """Copies bounded to one tile of the prepared operand's rows: the chain's training forward runs a launch
+    per 128 (256) rows of W (x), partial last block included, and its output, statistics and running
+    statistics stay as exact as eager's."""
+    monkeypatch.setattr(blocks, "COPY_BYTES", 1)
+    monkeypatch.setattr(blocks, "BLOCK_WAVES", 0)
+    launches = []
+    gemm_into = warp_specialized_gemm.gemm_into
+
+    def counting(*args, **kwargs):
+        launches.append(1)
+        return gemm_into(*args, **kwargs)
+    monkeypatch.setattr(warp_specialized_gemm, "gemm_into", counting)
+    args = make_args(1000, 264, 300, scale="per_feature", tail="gelu_relu", momentum=0.3, training=True)
+    prepared_rows = 1000 if gemm_precisions.prepared(precision).operand == "x" else 300
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = gemm_precisions.prepared(precision).parts == 1
+        assert_like_eager(Implementation(precision, config)(args), args)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    assert len(launches) == ceil_div(prepared_rows, config.block_n)
 
 
 @requires_cuda
