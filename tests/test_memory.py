@@ -228,9 +228,9 @@ def test_a_tf32_backwards_roundings_are_made_in_the_backward_on_cuda():
 @pytest.mark.cuda
 def test_a_blocked_gemms_roundings_are_each_made_after_the_block_before_on_cuda(monkeypatch):
     """TF32, tuning off, copies bounded to one column tile of W's rows: each backward GEMM rounds its
-    transposed operand (round_w) in several blocks. Traced, each block's rounding comes after the GEMM of
-    the block before (run_in_blocks's `after`), so that one block's copy is held at a time: Inductor
-    otherwise made every block's rounding before the first GEMM."""
+    transposed operand (round_w) in several blocks, into one workspace (run_in_blocks). Traced, each block's
+    rounding comes after the GEMM of the block before, which read the workspace, and all blocks' roundings
+    share one buffer: blocks of their own were all allocated before the first GEMM."""
     monkeypatch.setenv("FUSEPASS_TUNE", "0")
     monkeypatch.setattr(blocks, "COPY_BYTES", 1)
     monkeypatch.setattr(blocks, "BLOCK_WAVES", 0)
@@ -245,9 +245,31 @@ def test_a_blocked_gemms_roundings_are_each_made_after_the_block_before_on_cuda(
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allowed
     assert_fused(rewrites=1)
-    launches = re.findall(r"(_tf32_split_kernel|_gemm_kernel)\w*(?:\.run\(|\[)", backward_code)
-    assert launches.count("_tf32_split_kernel") >= 4, launches  # dX's and dW's, two blocks or more each
-    assert ("_tf32_split_kernel", "_tf32_split_kernel") not in set(zip(launches, launches[1:])), launches
+    launches = [(m[1], launch_arguments(line[m.end():])) for line in backward_code.splitlines()
+                if (m := re.search(r"(_tf32_split_kernel|_gemm_kernel)\w*\.run\(", line))]
+    kernels = [kernel for kernel, _ in launches]
+    assert kernels.count("_tf32_split_kernel") >= 4, kernels  # dX's and dW's, two blocks or more each
+    assert ("_tf32_split_kernel", "_tf32_split_kernel") not in set(zip(kernels, kernels[1:])), kernels
+    roundings = {arguments[1] for kernel, arguments in launches if kernel == "_tf32_split_kernel"}
+    assert len(roundings) == 2, roundings  # the rounded copy (the kernel's second argument): one per GEMM
+
+
+def launch_arguments(text: str) -> list[str]:
+    """The top-level arguments of a call whose opening parenthesis `text` follows."""
+    arguments, depth, current = [], 0, ""
+    for char in text:
+        if char in "([":
+            depth += 1
+        elif char in ")]":
+            if depth == 0:
+                break
+            depth -= 1
+        if char == "," and depth == 0:
+            arguments.append(current.strip())
+            current = ""
+        else:
+            current += char
+    return arguments + [current.strip()]
 
 
 def test_stored_is_a_stride_preserving_store_when_traced_and_the_tensor_itself_in_eager():

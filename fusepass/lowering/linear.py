@@ -25,7 +25,7 @@ from torch import Tensor
 from fusepass.lowering import blocks, gemm, gemm_configs, limits, tuning, warp_specialized_gemm
 from fusepass.lowering.choice import (UNGRAPHED_MIN_FLOP, cublas_traceable, gemm_option, matmul_precision,
                                       triton_configs)
-from fusepass.lowering.gemm_precisions import prepared, prepared_variant
+from fusepass.lowering.gemm_precisions import prepared, prepared_variant, prepares
 from fusepass.lowering.implementations import cublas_precision, gemm_unlaunchable
 from fusepass.lowering.launch import hint, stored
 from fusepass.lowering.schema import FLOAT16_DTYPES, KernelOptions, Linear
@@ -116,18 +116,20 @@ SPLIT_COPY_LIMIT = 512 << 20
 def run_in_blocks(linear: Linear, precision: str, config: gemm_configs.GemmConfig, copy_bytes: Optional[int] = None,
                   block_tiles: Optional[int] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """x @ W^T + b on the Triton GEMM, in blocks of W's rows (y's columns) where the GEMM copies W
-    (blocks.block_rows, `copy_bytes` and `block_tiles` passed on), each block's copies freed after its
-    GEMM. Each block's copies are made after y, which the block before wrote, exists: traced, Inductor
-    would otherwise order the blocks' kernels its own way, and made every block's copies before the first
-    GEMM (a TF32 weight gradient at 1024 x 8192 -> 8192 held both blocks' roundings, 16 MiB each, at the
-    step's peak: 384 MB, H200)."""
+    (blocks.block_rows, `copy_bytes` and `block_tiles` passed on). W's tf32 split (rounding) is made block
+    by block into one workspace of a block's rows, which each block's kernels write after the block before
+    has read it: blocks of their own let a compiled graph allocate them all before the first GEMM (a TF32
+    weight gradient at 1024 x 8192 -> 8192 held both blocks' roundings, 16 MiB each, at the step's peak:
+    384 MB, H200)."""
     x, weight, bias = linear.x, linear.weight, linear.bias
     m, n = x.shape[0], weight.shape[0]
     y = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
     rows = blocks.block_rows(linear, precision, config, copy_bytes, block_tiles)
+    shared = (gemm.workspace(precision, rows, x.shape[1], weight)
+              if rows < n and prepares(precision, "weight") else None)
     for n0 in range(0, n, rows):
         block = Linear(x, weight[n0:n0 + rows], bias[n0:n0 + rows] if bias is not None else None)
-        gemm.gemm_into(y, n0, block, precision, config, after=y if n0 else None)
+        gemm.gemm_into(y, n0, block, precision, config, workspace=shared)
     return y
 
 

@@ -52,7 +52,8 @@ def _tf32_split_kernel(
         tl.store(lo_ptr + out_offsets, lo, mask=mask)
 
 
-def split_tf32(t: Tensor, after: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def split_tf32(t: Tensor, after: Optional[Tensor] = None,
+               into: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor]:
     """(hi, lo) with t == hi + lo exactly and hi representable in tf32, from a 2-D t of any strides: in
     row-major buffers of t's rows and its columns rounded up to SPLIT_ROW_ALIGNMENT, whose first
     columns hold the halves (`hi[:, :cols] + lo[:, :cols] == t`). A weight gradient's split operand has
@@ -66,22 +67,26 @@ def split_tf32(t: Tensor, after: Optional[Tensor] = None) -> tuple[Tensor, Tenso
     computes in the forward, and keeps for the backward, any backward node whose inputs the forward
     already has, so a weight gradient's split of the saved input would otherwise be made in the forward
     and held until the backward (H100, the forward of a training-mode TF32 chain at 16384 x 4096 -> 4096:
-    768 MB above what it was given and 2.009 ms, against 514 MB and 1.930 ms with `after`)."""
-    hi = _split_buffer(t)
-    lo = _split_buffer(t)
+    768 MB above what it was given and 2.009 ms, against 514 MB and 1.930 ms with `after`).
+
+    `into`: (hi, lo) buffers from split_buffer of at least t's rows, written in their first rows and
+    returned whole (a block's workspace that blocks of one GEMM reuse)."""
+    hi, lo = into if into is not None else (split_buffer(*t.shape, t), split_buffer(*t.shape, t))
     _launch_split(t, hi, lo, after)
     return hi, lo
 
 
-def round_tf32(t: Tensor, after: Optional[Tensor] = None) -> Tensor:
-    """t rounded to tf32 (split_tf32's hi alone), in a buffer laid out as split_tf32's; `after` as there."""
-    hi = _split_buffer(t)
+def round_tf32(t: Tensor, after: Optional[Tensor] = None, into: Optional[Tensor] = None) -> Tensor:
+    """t rounded to tf32 (split_tf32's hi alone), in a buffer laid out as split_tf32's; `after` and `into`
+    as there."""
+    hi = into if into is not None else split_buffer(*t.shape, t)
     _launch_split(t, hi, None, after)
     return hi
 
 
-def _split_buffer(t: Tensor) -> Tensor:
-    return torch.empty((t.shape[0], split_row_stride(t.shape[1])), device=t.device, dtype=t.dtype)
+def split_buffer(rows: int, cols: int, like: Tensor) -> Tensor:
+    """A buffer for `rows` rows of a split (rounded) operand of `cols` columns, of like's dtype and device."""
+    return torch.empty((rows, split_row_stride(cols)), device=like.device, dtype=like.dtype)
 
 
 def _launch_split(t: Tensor, hi: Tensor, lo: Optional[Tensor], after: Optional[Tensor]) -> None:

@@ -67,20 +67,23 @@ def test_blocks_of_w_bound_its_copies_and_change_no_bit(layout, precision, block
     96 columns (one block), 7 take 64, 5 one column tile (32 columns: the copy's bound decides)."""
     a, b = _operands(layout, 37, 24, 70, seed=3)
     whole = gemm.run_gemm(gemm.Linear(a, b, None), precision, SMALL).y
-    launched, afters = [], []
+    launched, workspaces = [], []
     gemm_into = gemm.gemm_into
 
-    def recording(y, y_col0, block, *rest, after=None):
+    def recording(y, y_col0, block, *rest, workspace=None):
         launched.append(block.weight.shape[0])
-        afters.append(after is y)
-        return gemm_into(y, y_col0, block, *rest, after=after)
+        workspaces.append(workspace)
+        return gemm_into(y, y_col0, block, *rest, workspace=workspace)
     monkeypatch.setattr(gemm, "gemm_into", recording)
     bound = 2 * SMALL.block_n * 24 * 4  # one column tile's split of a 24-wide fp32 W
     y = linear.run_in_blocks(gemm.Linear(a, b, None), precision, SMALL, copy_bytes=bound, block_tiles=1)
     assert torch.equal(y, whole)
     assert launched == blocks
-    # a block's copies come after y, which the block before wrote (traced, that orders them)
-    assert afters == [False] + [True] * (len(blocks) - 1)
+    # W's split is made into one workspace of a block's rows, which every block reuses
+    if precision == "split_w":
+        assert all(w is workspaces[0] for w in workspaces) and workspaces[0][0].shape == (blocks[0], 32)
+    else:
+        assert workspaces == [None] * len(blocks)
     launched.clear()
     linear.run_in_blocks(gemm.Linear(a, b, None), precision, SMALL, copy_bytes=bound, block_tiles=9)
     assert launched == [70]
