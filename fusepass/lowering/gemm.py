@@ -34,13 +34,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusepass.lowering import limits, pointwise
 from fusepass.lowering.gemm_configs import GemmConfig, sm_count
-from fusepass.lowering.gemm_precisions import (CAST_W, ROUND_W, ROUND_X, SPLIT_W, SPLIT_X, TF32, TF32X3,
-                                               kernel_precision, prepared, prepares)
+from fusepass.lowering.gemm_precisions import (CAST_W, ROUND_W, ROUND_X, SPLIT_W, SPLIT_X, TF32, TF32X3, Workspace,
+                                               kernel_precision, prepare_operands, prepared, prepares)
 from fusepass.lowering.gemm_epilogue import EPILOGUE_LINEAR, EPILOGUE_NORMALIZE, EPILOGUE_STATISTICS, tile_epilogue
 from fusepass.lowering.launch import launch, present_or_placeholder, tracing, unused_pointer
 from fusepass.lowering.normalize import Partials
 from fusepass.lowering.schema import BatchNorm, Linear, Scale, Tail
-from fusepass.lowering.tf32_split import round_tf32, split_buffer, split_tf32, tf32_split
+from fusepass.lowering.tf32_split import tf32_split
 from fusepass.lowering.tiles import grouped_tile, tile_offsets
 
 
@@ -354,50 +354,17 @@ def needs_k_major_copy(weight: Tensor, precision: str) -> bool:
             and weight.stride(1) != 1)
 
 
-# Buffers for an operand prepared in memory: its tf32 hi, and its lo where split
-Workspace = tuple[Tensor, Optional[Tensor]]
-
-
-def _prepare_operands(x: Tensor, weight: Tensor, precision: str, after: Optional[Tensor] = None,
-                      workspace: Optional[Workspace] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(x, weight, lo) as the kernel reads them: the operand the precision prepares in memory replaced by
-    its tf32 hi, and lo its low half where split (else None), in buffers k columns wide or a little more
-    (`workspace`'s, if given: its first rows). Made after `after` exists (split_tf32's), by default after
-    the other operand: in a backward, after the gradient."""
-    how = prepared(precision)
-    if how is None:
-        return x, weight, None
-    of_x = how.operand == "x"
-    operand, other = (x, weight) if of_x else (weight, x)
-    after = other if after is None else after
-    if how.parts == 2:
-        hi, lo = split_tf32(operand, after, workspace)
-    else:
-        hi, lo = round_tf32(operand, after, workspace[0] if workspace else None), None
-    return (hi, weight, lo) if of_x else (x, hi, lo)
-
-
-def workspace(precision: str, rows: int, cols: int, like: Tensor) -> Optional[Workspace]:
-    """Buffers for `rows` rows of the operand `precision` prepares in memory (hi, and lo where split), which
-    the launches of one GEMM in blocks reuse: one block's copies at a time, whatever order a compiled graph
-    gives their allocations. None where the precision prepares nothing."""
-    how = prepared(precision)
-    if how is None:
-        return None
-    return split_buffer(rows, cols, like), split_buffer(rows, cols, like) if how.parts == 2 else None
-
-
 def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: GemmConfig,
                epilogue: int = EPILOGUE_LINEAR.value, store_y: bool = True, scale_before: Scale = Scale(),
                eval_norm: Optional[EvalNormalization] = None, after: Optional[Tensor] = None,
                workspace: Optional[Workspace] = None) -> GemmOutputs:
     """One launch: x @ W^T + b into y's columns y_col0 on, and the epilogue's other outputs (new); an
-    operand prepared in memory is made after `after` exists, in `workspace` if given (_prepare_operands)."""
+    operand prepared in memory is made after `after` exists, in `workspace` if given (prepare_operands)."""
     x, weight, bias = linear.x, linear.weight, linear.bias
     m, k = x.shape
     n = weight.shape[0]
     device = x.device
-    x, weight, lo = _prepare_operands(x, weight, precision, after, workspace)
+    x, weight, lo = prepare_operands(x, weight, precision, after, workspace)
     # The operands' shapes from here on are (m, k) and (n, k), whatever their buffers' widths.
     if needs_k_major_copy(weight, precision):
         weight = weight.contiguous()

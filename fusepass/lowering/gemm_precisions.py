@@ -8,7 +8,8 @@ each wgmma before the next (sm_90 PTX from triton 3.6: `wgmma.wait_group 0` only
 memory, the operand goes straight from its TMA load to the tensor cores, the other is rounded in
 registers as the first operand, and the wgmmas pipeline (`wait_group 3` in the PTX of a TF32 loop). The
 prepared operand is the smaller of the two: the copy costs a read and a write of it each call (splitting
-W, the larger, cost up to 13% of a 3xTF32 GEMM: 0.20 ms at 1024 x 8192 -> 8192 on an H200)."""
+W, the larger, cost up to 13% of a 3xTF32 GEMM: 0.20 ms at 1024 x 8192 -> 8192 on an H200). prepare_operands
+makes the prepared operand (tf32_split.py's kernel), into a workspace a GEMM in blocks reuses."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from typing import Optional
 
 import torch
 import triton.language as tl
+from torch import Tensor
+
+from fusepass.lowering.tf32_split import round_tf32, split_buffer, split_tf32
 
 # The kernel's modes (PRECISION), gemm.py's docstring says what each multiplies.
 NATIVE = tl.constexpr(0)
@@ -85,3 +89,36 @@ def prepared_variant(precision: str, x_elements: int, weight_elements: int, weig
 def kernel_precision(precision: str, x_dtype: torch.dtype) -> int:
     """The kernel's PRECISION: 16-bit operands multiply natively, unless W is cast in the kernel."""
     return (PRECISIONS[precision] if x_dtype == torch.float32 or precision == "cast_w" else NATIVE).value
+
+
+# Buffers for an operand prepared in memory: its tf32 hi, and its lo where split
+Workspace = tuple[Tensor, Optional[Tensor]]
+
+
+def prepare_operands(x: Tensor, weight: Tensor, precision: str, after: Optional[Tensor] = None,
+                     workspace: Optional[Workspace] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(x, weight, lo) as the kernel reads them: the operand the precision prepares in memory replaced by
+    its tf32 hi, and lo its low half where split (else None), in buffers k columns wide or a little more
+    (`workspace`'s, if given: its first rows). Made after `after` exists (split_tf32's), by default after
+    the other operand: in a backward, after the gradient."""
+    how = prepared(precision)
+    if how is None:
+        return x, weight, None
+    of_x = how.operand == "x"
+    operand, other = (x, weight) if of_x else (weight, x)
+    after = other if after is None else after
+    if how.parts == 2:
+        hi, lo = split_tf32(operand, after, workspace)
+    else:
+        hi, lo = round_tf32(operand, after, workspace[0] if workspace else None), None
+    return (hi, weight, lo) if of_x else (x, hi, lo)
+
+
+def workspace(precision: str, rows: int, cols: int, like: Tensor) -> Optional[Workspace]:
+    """Buffers for `rows` rows of the operand `precision` prepares in memory (hi, and lo where split), which
+    the launches of one GEMM in blocks reuse: one block's copies at a time, whatever order a compiled graph
+    gives their allocations. None where the precision prepares nothing."""
+    how = prepared(precision)
+    if how is None:
+        return None
+    return split_buffer(rows, cols, like), split_buffer(rows, cols, like) if how.parts == 2 else None

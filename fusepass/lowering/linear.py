@@ -25,7 +25,7 @@ from torch import Tensor
 from fusepass.lowering import blocks, gemm, gemm_configs, limits, tuning, warp_specialized_gemm
 from fusepass.lowering.choice import (UNGRAPHED_MIN_FLOP, cublas_traceable, gemm_option, matmul_precision,
                                       triton_configs)
-from fusepass.lowering.gemm_precisions import prepared, prepared_variant, prepares
+from fusepass.lowering.gemm_precisions import prepared, prepared_variant, prepares, workspace
 from fusepass.lowering.implementations import cublas_precision, gemm_unlaunchable
 from fusepass.lowering.launch import hint, stored
 from fusepass.lowering.schema import FLOAT16_DTYPES, KernelOptions, Linear
@@ -125,7 +125,7 @@ def run_in_blocks(linear: Linear, precision: str, config: gemm_configs.GemmConfi
     m, n = x.shape[0], weight.shape[0]
     y = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
     rows = blocks.block_rows(linear, precision, config, copy_bytes, block_tiles)
-    shared = (gemm.workspace(precision, rows, x.shape[1], weight)
+    shared = (workspace(precision, rows, x.shape[1], weight)
               if rows < n and prepares(precision, "weight") else None)
     for n0 in range(0, n, rows):
         block = Linear(x, weight[n0:n0 + rows], bias[n0:n0 + rows] if bias is not None else None)
