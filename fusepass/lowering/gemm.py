@@ -356,15 +356,14 @@ def needs_k_major_copy(weight: Tensor, precision: str) -> bool:
 
 def gemm_into(y: Tensor, y_col0: int, linear: Linear, precision: str, config: GemmConfig,
                epilogue: int = EPILOGUE_LINEAR.value, store_y: bool = True, scale_before: Scale = Scale(),
-               eval_norm: Optional[EvalNormalization] = None, after: Optional[Tensor] = None,
-               workspace: Optional[Workspace] = None) -> GemmOutputs:
+               eval_norm: Optional[EvalNormalization] = None, workspace: Optional[Workspace] = None) -> GemmOutputs:
     """One launch: x @ W^T + b into y's columns y_col0 on, and the epilogue's other outputs (new); an
-    operand prepared in memory is made after `after` exists, in `workspace` if given (prepare_operands)."""
+    operand prepared in memory is made in `workspace` if given (prepare_operands)."""
     x, weight, bias = linear.x, linear.weight, linear.bias
     m, k = x.shape
     n = weight.shape[0]
     device = x.device
-    x, weight, lo = prepare_operands(x, weight, precision, after, workspace)
+    x, weight, lo = prepare_operands(x, weight, precision, workspace)
     # The operands' shapes from here on are (m, k) and (n, k), whatever their buffers' widths.
     if needs_k_major_copy(weight, precision):
         weight = weight.contiguous()

@@ -95,22 +95,21 @@ def kernel_precision(precision: str, x_dtype: torch.dtype) -> int:
 Workspace = tuple[Tensor, Optional[Tensor]]
 
 
-def prepare_operands(x: Tensor, weight: Tensor, precision: str, after: Optional[Tensor] = None,
+def prepare_operands(x: Tensor, weight: Tensor, precision: str,
                      workspace: Optional[Workspace] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """(x, weight, lo) as the kernel reads them: the operand the precision prepares in memory replaced by
     its tf32 hi, and lo its low half where split (else None), in buffers k columns wide or a little more
-    (`workspace`'s, if given: its first rows). Made after `after` exists (split_tf32's), by default after
-    the other operand: in a backward, after the gradient."""
+    (`workspace`'s, if given: its first rows). Made after the other operand exists (split_tf32's
+    `after`): in a backward, after the gradient."""
     how = prepared(precision)
     if how is None:
         return x, weight, None
     of_x = how.operand == "x"
     operand, other = (x, weight) if of_x else (weight, x)
-    after = other if after is None else after
     if how.parts == 2:
-        hi, lo = split_tf32(operand, after, workspace)
+        hi, lo = split_tf32(operand, other, workspace)
     else:
-        hi, lo = round_tf32(operand, after, workspace[0] if workspace else None), None
+        hi, lo = round_tf32(operand, other, workspace[0] if workspace else None), None
     return (hi, weight, lo) if of_x else (x, hi, lo)
 
 

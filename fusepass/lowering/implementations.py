@@ -100,9 +100,8 @@ def on_warp_specialized_gemm(args: ChainArgs, precision: str, config: gemm_confi
     """Training: the GEMM, its statistics' partials from its epilogue, and the output pass. Eval: the GEMM,
     then the passes after it (as on cuBLAS: its epilogue has no eval-mode normalization). The prepared
     operand is split or rounded in the kernel, or in memory in the linear op's blocks (blocks.py), in
-    whole tiles of it: the statistics' parts of a prepared x cover a tile's rows. Prepared whole, W's
-    split held the fp32 MLP step's peak, in its second layer's forward: 322 MB, 128 of them the split
-    (H200)."""
+    whole tiles of it: the statistics' parts of a prepared x cover a tile's rows. Prepared whole, the
+    split of the fp32 MLP's hidden W (128 MB) set its training step's peak: 322 MB, 285 in blocks (H200)."""
     lin, scale = args.linear, args.scale_before
     training = args.batch_norm.training
     y, flat_parts = torch.ops.fusepass.warp_specialized_linear(
