@@ -201,6 +201,23 @@ def test_a_fused_fp32_relu_mlp_step_peaks_below_eagers_on_cuda():
     assert peaks["fusepass"] < peaks["eager"], peaks
 
 
+def tf32_chain_code(in_features: int, out_features: int, seed: int) -> tuple[str, str]:
+    """The generated forward and backward code of a compiled ChainModel's training step at 320 rows, x with
+    a gradient, TF32 allowed (set and restored by hand), the chain fused."""
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    model = torch.compile(ChainModel(in_features, out_features).cuda(), backend="fusepass")
+    x = torch.randn(320, in_features, device="cuda", requires_grad=True)
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        _, (forward_code, backward_code) = run_fw_bw_and_get_code(lambda: model(x).sum())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    assert_fused(rewrites=1)
+    return forward_code, backward_code
+
+
 @requires_cuda
 @pytest.mark.cuda
 def test_a_tf32_backwards_roundings_are_made_in_the_backward_on_cuda():
@@ -209,17 +226,7 @@ def test_a_tf32_backwards_roundings_are_made_in_the_backward_on_cuda():
     the weight gradient, W^T for the input gradient. Those roundings read only what the forward has; they
     must stay in the backward beside their GEMMs, not be made in the forward and held until the backward
     (tf32_split.split_tf32's `after`)."""
-    torch._dynamo.reset()
-    torch.manual_seed(4)
-    model = torch.compile(ChainModel(256, 192).cuda(), backend="fusepass")
-    x = torch.randn(320, 256, device="cuda", requires_grad=True)
-    allowed = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        _, (forward_code, backward_code) = run_fw_bw_and_get_code(lambda: model(x).sum())
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = allowed
-    assert_fused(rewrites=1)
+    forward_code, backward_code = tf32_chain_code(256, 192, seed=4)
     assert "_tf32_split_kernel" not in forward_code
     assert "_tf32_split_kernel" in backward_code
 
@@ -234,17 +241,7 @@ def test_a_blocked_gemms_roundings_are_each_made_after_the_block_before_on_cuda(
     monkeypatch.setenv("FUSEPASS_TUNE", "0")
     monkeypatch.setattr(blocks, "COPY_BYTES", 1)
     monkeypatch.setattr(blocks, "BLOCK_WAVES", 0)
-    torch._dynamo.reset()
-    torch.manual_seed(6)
-    model = torch.compile(ChainModel(512, 384).cuda(), backend="fusepass")
-    x = torch.randn(320, 512, device="cuda", requires_grad=True)
-    allowed = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        _, (_, backward_code) = run_fw_bw_and_get_code(lambda: model(x).sum())
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = allowed
-    assert_fused(rewrites=1)
+    _, backward_code = tf32_chain_code(512, 384, seed=6)
     launches = [(m[1], launch_arguments(line[m.end():])) for line in backward_code.splitlines()
                 if (m := re.search(r"(_tf32_split_kernel|_gemm_kernel)\w*\.run\(", line))]
     kernels = [kernel for kernel, _ in launches]
