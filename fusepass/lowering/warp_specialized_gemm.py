@@ -34,9 +34,8 @@ from torch import Tensor
 
 from fusepass.lowering import limits
 from fusepass.lowering.gemm_configs import GemmConfig, sm_count
-from fusepass.lowering.gemm_precisions import PREPARED, prepared, variants
+from fusepass.lowering.gemm_precisions import PREPARED, Workspace, prepare_operands, prepared, variants, workspace
 from fusepass.lowering.launch import ceil_div
-from fusepass.lowering.tf32_split import round_tf32, split_tf32
 from fusepass.lowering.tiles import SCALE_NUMBER, SCALE_PER_FEATURE, scale_mode
 from fusepass.lowering.warp_specialized_kernels import B_K_MAJOR, B_MN_MAJOR, B_SPLIT_IN_MEMORY, gemm_kernel, gluon
 
@@ -276,13 +275,21 @@ def warp_specialized_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], s
         splits = k_splits(precision, config, m, f, x.shape[1], x.device)
         gemm_into(out, a, b, config, how.parts, transposed, epilogue, splits=splits)
         return y, parts
+    shared = workspace(precision, min(block_rows, b.shape[0]), b.shape[1], b)  # one block's copies at a time
     for r0 in range(0, b.shape[0], block_rows):
-        hi, lo = split_tf32(b[r0:r0 + block_rows]) if how.parts == 2 else (round_tf32(b[r0:r0 + block_rows]), None)
+        hi, lo = _prepared_block(b[r0:r0 + block_rows], a, precision, shared)
         epilogue = _block_epilogue(precision, r0, rows_per_part(precision, block_n), bias, scale, scale_value,
                                    parts if statistics else None, n_parts * f, f)
         gemm_into(out[:, r0:], a, hi, config, how.parts, transposed, epilogue, b_prepared=True, b_lo=lo)
-        del hi, lo  # before the next block's parts are made: one block's copies at a time
     return y, parts
+
+
+def _prepared_block(block: Tensor, a: Tensor, precision: str, shared: Workspace) -> tuple[Tensor, Optional[Tensor]]:
+    """The block of b as the kernel reads it, prepared into the workspace's first rows: (hi, lo or None)."""
+    of_x = prepared(precision).operand == "x"
+    x, weight, lo = prepare_operands(*((block, a) if of_x else (a, block)), precision, shared)
+    rows = block.shape[0]
+    return (x if of_x else weight)[:rows], lo[:rows] if lo is not None else None
 
 
 def _block_epilogue(precision: str, r0: int, part_rows: int, bias: Optional[Tensor], scale: Optional[Tensor],

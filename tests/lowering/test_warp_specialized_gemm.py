@@ -25,7 +25,7 @@ from fusepass.lowering.launch import ceil_div
 from fusepass.lowering.schema import KernelOptions
 from fusepass.numerics import rel_error
 from tests.chains import requires_cuda
-from tests.lowering.cases import assert_like_eager, make_args
+from tests.lowering.cases import KERNEL_DEVICE, assert_like_eager, make_args
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 requires_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
@@ -308,6 +308,35 @@ def test_the_op_refuses_a_split_it_cannot_make(split, block_rows):
     x, w = torch.randn(300, 8), torch.randn(7, 8)
     with pytest.raises(ValueError, match="blocks of"):
         torch.ops.fusepass.warp_specialized_linear(x, w, None, None, 1.0, True, split, block_rows, 128, 32, 4)
+
+
+@pytest.mark.parametrize("precision, prepared_operand", [("split_w", "weight"), ("round_w", "weight"),
+                                                         ("split_x", "x"), ("round_x", "x")])
+def test_the_ops_blocks_are_prepared_into_one_workspace(monkeypatch, precision, prepared_operand):
+    """In blocks, each block of the prepared operand (W's or x's rows) is split (rounded) into the first rows
+    of one workspace of a block's rows, which every launch reads in turn: the op holds one block's copies,
+    however many blocks. 70 rows in blocks of 32: the last block is partial. The kernel is mocked (Gluon
+    has no interpreter); the split runs (interpreted on CPU)."""
+    g = torch.Generator().manual_seed(5)
+    x, w = (torch.randn(shape, generator=g).to(KERNEL_DEVICE) for shape in ((70, 24), (70, 24)))
+    launches = []
+
+    def recording(out, a, b, config, parts, transposed, epilogue, b_prepared=False, b_lo=None, splits=1):
+        # b itself is kept: a freed block's memory could be handed to the next block's own buffer
+        launches.append((b, b[:, :24].clone(), None if b_lo is None else b_lo[:, :24].clone(), transposed))
+    monkeypatch.setattr(warp_specialized_gemm, "gemm_into", recording)
+    warp_specialized_gemm.warp_specialized_linear(x, w, None, None, 1.0, False, precision, 32, 128, 32, 4)
+    operand = x if prepared_operand == "x" else w
+    assert [hi.shape[0] for _, hi, _, _ in launches] == [32, 32, 6]
+    assert len({b.untyped_storage().data_ptr() for b, _, _, _ in launches}) == 1
+    for r0, (_, hi, lo, transposed) in zip((0, 32, 64), launches):
+        block = operand[r0:r0 + 32]
+        assert transposed == (prepared_operand == "x")
+        assert (hi.contiguous().view(torch.int32) & 0x1FFF).eq(0).all()  # tf32: 13 low mantissa bits clear
+        if precision.startswith("split"):
+            assert torch.equal(hi + lo, block)
+        else:
+            assert lo is None and torch.allclose(hi, block, rtol=2 ** -11, atol=0)
 
 
 @pytest.mark.parametrize("block_n, block_k, stages, mode, parts, fit", [
