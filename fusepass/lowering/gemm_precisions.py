@@ -105,12 +105,17 @@ def prepare_operands(x: Tensor, weight: Tensor, precision: str,
     if how is None:
         return x, weight, None
     of_x = how.operand == "x"
-    operand, other = (x, weight) if of_x else (weight, x)
-    if how.parts == 2:
-        hi, lo = split_tf32(operand, other, workspace)
-    else:
-        hi, lo = round_tf32(operand, other, workspace[0] if workspace else None), None
+    hi, lo = prepare_operand(x if of_x else weight, weight if of_x else x, precision, workspace)
     return (hi, weight, lo) if of_x else (x, hi, lo)
+
+
+def prepare_operand(operand: Tensor, other: Tensor, precision: str,
+                    workspace: Optional[Workspace] = None) -> tuple[Tensor, Optional[Tensor]]:
+    """(hi, lo or None): `operand`, the one `precision` prepares, split (rounded) as prepare_operands says,
+    after `other`, the GEMM's other operand."""
+    if prepared(precision).parts == 2:
+        return split_tf32(operand, other, workspace)
+    return round_tf32(operand, other, workspace[0] if workspace else None), None
 
 
 def workspace(precision: str, rows: int, cols: int, like: Tensor) -> Optional[Workspace]:

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from fusepass.lowering import limits
 from fusepass.lowering.gemm_configs import GemmConfig, sm_count
-from fusepass.lowering.gemm_precisions import PREPARED, Workspace, prepare_operands, prepared, variants, workspace
+from fusepass.lowering.gemm_precisions import PREPARED, Workspace, prepare_operand, prepared, variants, workspace
 from fusepass.lowering.launch import ceil_div
 from fusepass.lowering.tiles import SCALE_NUMBER, SCALE_PER_FEATURE, scale_mode
 from fusepass.lowering.warp_specialized_kernels import B_K_MAJOR, B_MN_MAJOR, B_SPLIT_IN_MEMORY, gemm_kernel, gluon
@@ -239,7 +239,6 @@ def gemm_into(out: Tensor, a: Tensor, b: Tensor, config: GemmConfig, parts: int,
         out.add_(sums[0] if splits == 2 else sums.sum(0))
 
 
-
 def rows_per_part(precision: str, block_n: int) -> int:
     """The batch's rows each part of the statistics covers: a consumer's rows of y's tile, or, y^T's tile
     computed (x prepared), its columns."""
@@ -286,10 +285,9 @@ def warp_specialized_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], s
 
 def _prepared_block(block: Tensor, a: Tensor, precision: str, shared: Workspace) -> tuple[Tensor, Optional[Tensor]]:
     """The block of b as the kernel reads it, prepared into the workspace's first rows: (hi, lo or None)."""
-    of_x = prepared(precision).operand == "x"
-    x, weight, lo = prepare_operands(*((block, a) if of_x else (a, block)), precision, shared)
+    hi, lo = prepare_operand(block, a, precision, shared)
     rows = block.shape[0]
-    return (x if of_x else weight)[:rows], lo[:rows] if lo is not None else None
+    return hi[:rows], lo[:rows] if lo is not None else None
 
 
 def _block_epilogue(precision: str, r0: int, part_rows: int, bias: Optional[Tensor], scale: Optional[Tensor],
