@@ -24,6 +24,9 @@ STATS_READ = tl.constexpr(0)
 STATS_MERGE = tl.constexpr(1)
 STATS_RUNNING = tl.constexpr(2)
 
+# Row strips whose statistics one merge step loads at once (a power of 2).
+STRIPS_PER_MERGE = tl.constexpr(32)
+
 # --------------------------------------------------------------------------- kernels
 # Row counts (n_rows; the row strips' count follows from it) change with the batch: runtime arguments that
 # are never specialized, so a new batch size compiles nothing.
@@ -76,16 +79,24 @@ def partial_stats_kernel(
 @triton.jit
 def _merged_statistics(part_stats_ptr, cols, col_mask, n_rows, n_cols, rows_per_part):
     """Per column: the row strips' (mean, M2) of z merged with Chan's formula. Returns (count, mean,
-    biased variance)."""
+    biased variance). STRIPS_PER_MERGE strips are loaded at once and merged as a tree: merged one after
+    another, each merge waiting on the last one's loads, 32 strips took 16 us at 4096 columns (H100)."""
     count = tl.zeros(cols.shape, dtype=tl.float32)
     mean = tl.zeros(cols.shape, dtype=tl.float32)
     m2 = tl.zeros(cols.shape, dtype=tl.float32)
     n_parts = tl.cdiv(n_rows, rows_per_part)
-    for p in range(0, n_parts):
-        part_count = tl.minimum(rows_per_part, n_rows - p * rows_per_part).to(tl.float32)
-        part_mean = tl.load(part_stats_ptr + p * n_cols + cols, mask=col_mask, other=0.0)
-        part_m2 = tl.load(part_stats_ptr + (n_parts + p) * n_cols + cols, mask=col_mask, other=0.0)
-        count, mean, m2 = chan_merge(count, mean, m2, part_count, part_mean, part_m2)
+    for p0 in range(0, n_parts, STRIPS_PER_MERGE):
+        parts = p0 + tl.arange(0, STRIPS_PER_MERGE)
+        part_mask = parts < n_parts
+        mask = part_mask[:, None] & col_mask[None, :]
+        # a strip past the last has count 0, mean 0 and M2 0: nothing to merge
+        part_count = tl.where(part_mask, tl.minimum(rows_per_part, n_rows - parts * rows_per_part), 0)
+        part_count = tl.broadcast_to(part_count.to(tl.float32)[:, None], mask.shape)
+        part_mean = tl.load(part_stats_ptr + parts[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+        part_m2 = tl.load(part_stats_ptr + (n_parts + parts[:, None]) * n_cols + cols[None, :], mask=mask,
+                          other=0.0)
+        chunk_count, chunk_mean, chunk_m2 = tl.reduce((part_count, part_mean, part_m2), 0, chan_merge)
+        count, mean, m2 = chan_merge(count, mean, m2, chunk_count, chunk_mean, chunk_m2)
     return count, mean, m2 / count
 
 

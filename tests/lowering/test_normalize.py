@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from fusepass.lowering import normalize
+from fusepass.lowering.normalize_kernels import STRIPS_PER_MERGE
 from fusepass.lowering.schema import ChainOutputs
 from tests.chains import assert_no_further_from_float64
 from tests.lowering.cases import (HALF_DTYPES, KERNEL_DEVICE, SCALE_KINDS, TAILS, assert_like_eager, make_args,
@@ -131,8 +132,8 @@ def test_tail_nan_and_inf_like_eager(tail):
 def test_statistics_in_the_output_pass_or_in_a_finalize_launch(monkeypatch, merge, softmax, training, running):
     """The output pass computes the statistics itself (one launch fewer): training merges the strips'
     statistics, eval reads the running ones; or it reads what a finalize launch computed. A softmax pass
-    in training always reads them (normalize.normalize_training says why). 70 rows make three strips; 300
-    features make several column blocks, the softmax's included."""
+    in training always reads them (normalize.normalize_training says why). 300 features make several
+    column blocks, the softmax's included."""
     monkeypatch.setattr(normalize, "merges_in_output_pass", lambda *args: merge)
     launched = record_launches(monkeypatch)
     args = make_args(70, 9, 300, running=running, training=training, scale="number", scale_after="number",
@@ -143,6 +144,21 @@ def test_statistics_in_the_output_pass_or_in_a_finalize_launch(monkeypatch, merg
         ([] if merge and not (training and softmax) else ["finalize_stats_kernel"]) + [output_kernel]
     assert_like_eager(fused, args, y)
     assert fused.new_running_mean.numel() == (300 if training and running else 0)
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_strips_merge_in_several_steps(monkeypatch, merge):
+    """More row strips than one merge step loads (normalize_kernels.STRIPS_PER_MERGE), the last step
+    partly past the last strip, which is itself short: the statistics are still the batch's. Strips of 4
+    rows keep the interpreted batch small."""
+    monkeypatch.setattr(normalize, "merges_in_output_pass", lambda *args: merge)
+    monkeypatch.setattr(normalize, "STATS_BLOCK_R", 4)
+    strips_per_merge = STRIPS_PER_MERGE.value
+    n_rows = 4 * (strips_per_merge + 1) + 1
+    args = make_args(n_rows, 3, 5, momentum=0.3)
+    y, fused = run_passes(args)
+    assert normalize.partial_statistics(y, args.scale_before).n_parts == strips_per_merge + 2
+    assert_like_eager(fused, args, y)
 
 
 def test_output_pass_merges_only_few_partials():
