@@ -79,8 +79,9 @@ def partial_stats_kernel(
 @triton.jit
 def _merged_statistics(part_stats_ptr, cols, col_mask, n_rows, n_cols, rows_per_part):
     """Per column: the row strips' (mean, M2) of z merged with Chan's formula. Returns (count, mean,
-    biased variance). STRIPS_PER_MERGE strips are loaded at once and merged as a tree: merged one after
-    another, each merge waiting on the last one's loads, 32 strips took 16 us at 4096 columns (H100)."""
+    biased variance). STRIPS_PER_MERGE strips are loaded at once and merged as a tree: merged one strip
+    after another, each merge waiting on the last one's loads, 32 strips of 4096 columns took 16.7 us in
+    the finalize kernel, 4.6 as a tree (H100)."""
     count = tl.zeros(cols.shape, dtype=tl.float32)
     mean = tl.zeros(cols.shape, dtype=tl.float32)
     m2 = tl.zeros(cols.shape, dtype=tl.float32)
