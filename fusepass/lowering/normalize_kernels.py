@@ -78,10 +78,15 @@ def partial_stats_kernel(
 
 @triton.jit
 def _merged_statistics(part_stats_ptr, cols, col_mask, n_rows, n_cols, rows_per_part):
-    """Per column: the row strips' (mean, M2) of z merged with Chan's formula. Returns (count, mean,
-    biased variance). STRIPS_PER_MERGE strips are loaded at once and merged as a tree: merged one strip
-    after another, each merge waiting on the last one's loads, 32 strips of 4096 columns took 16.7 us in
-    the finalize kernel, 4.6 as a tree (H100)."""
+    """Per column: the row strips' (mean, M2) of z merged. Returns (count, mean, biased variance).
+
+    STRIPS_PER_MERGE strips are loaded at once and merged in one step, with the k-strip form of Chan's
+    formula, M2 = sum(M2_p) + sum(n_p * (mean_p - mean)^2), each strip's mean taken relative to the
+    step's first one: a common mean cancels exactly before anything is rounded, so that a constant column
+    keeps M2 = 0 whatever its value (weighted means of the raw means would round and leave n * ulp^2,
+    which eps does not hide). The steps merge pairwise (tiles.chan_merge). Merged one strip after another,
+    each merge waiting on the last one's loads, 32 strips of 4096 columns took 16.7 us in the finalize
+    kernel (H100): loaded together, their loads overlap."""
     count = tl.zeros(cols.shape, dtype=tl.float32)
     mean = tl.zeros(cols.shape, dtype=tl.float32)
     m2 = tl.zeros(cols.shape, dtype=tl.float32)
@@ -90,14 +95,20 @@ def _merged_statistics(part_stats_ptr, cols, col_mask, n_rows, n_cols, rows_per_
         parts = p0 + tl.arange(0, STRIPS_PER_MERGE)
         part_mask = parts < n_parts
         mask = part_mask[:, None] & col_mask[None, :]
-        # a strip past the last has count 0, mean 0 and M2 0: nothing to merge
+        # a strip past the last counts no rows and adds nothing below
         part_count = tl.where(part_mask, tl.minimum(rows_per_part, n_rows - parts * rows_per_part), 0)
-        part_count = tl.broadcast_to(part_count.to(tl.float32)[:, None], mask.shape)
+        part_count = part_count.to(tl.float32)
         part_mean = tl.load(part_stats_ptr + parts[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
         part_m2 = tl.load(part_stats_ptr + (n_parts + parts[:, None]) * n_cols + cols[None, :], mask=mask,
                           other=0.0)
-        chunk_count, chunk_mean, chunk_m2 = tl.reduce((part_count, part_mean, part_m2), 0, chan_merge)
-        count, mean, m2 = chan_merge(count, mean, m2, chunk_count, chunk_mean, chunk_m2)
+        shift = tl.load(part_stats_ptr + p0 * n_cols + cols, mask=col_mask, other=0.0)
+        step_count = tl.sum(part_count, axis=0)
+        offset = tl.where(mask, part_mean - shift[None, :], 0.0)
+        step_offset = tl.sum(part_count[:, None] * offset, axis=0) / step_count
+        deviation = offset - step_offset[None, :]
+        step_m2 = tl.sum(part_m2, axis=0) + tl.sum(tl.where(mask, part_count[:, None] * deviation * deviation, 0.0),
+                                                   axis=0)
+        count, mean, m2 = chan_merge(count, mean, m2, step_count, shift + step_offset, step_m2)
     return count, mean, m2 / count
 
 

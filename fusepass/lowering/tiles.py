@@ -56,14 +56,11 @@ def inverse_std(var, eps):
 
 @triton.jit
 def chan_merge(count, mean, m2, other_count, other_mean, other_m2):
-    """Chan et al.'s merge of two (count, mean, M2) summaries: stable, unlike E[z^2] - E[z]^2. Associative
-    enough to be a tree reduction's combine: a summary of no rows (0, 0, 0) leaves the other as it is, and
-    two of them stay (0, 0, 0) instead of dividing 0 by 0."""
+    """Chan et al.'s merge of two (count, mean, M2) summaries: stable, unlike E[z^2] - E[z]^2."""
     total = count + other_count
-    divisor = tl.where(total == 0, 1.0, total)
     delta = other_mean - mean
-    mean = mean + delta * (other_count / divisor)
-    m2 = m2 + other_m2 + delta * delta * (count * other_count / divisor)
+    mean = mean + delta * (other_count / total)
+    m2 = m2 + other_m2 + delta * delta * (count * other_count / total)
     return total, mean, m2
 
 

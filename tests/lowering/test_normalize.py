@@ -56,9 +56,10 @@ def test_low_precision_input_fp32_statistics(dtype, momentum):
 
 
 def test_statistics_are_stable_for_large_means():
-    """Columns with mean 1e4 and std 1: E[z^2] - E[z]^2 in fp32 would lose every digit. Seeded: the fp32
-    row-tile means (~1e4, rounding 5e-4) enter Chan's merge, so invstd lands 2.5e-5 to 8e-5 from exact
-    over seeds 0-11; the bound below holds for every seed tried."""
+    """Columns with mean 1e4 and std 1: E[z^2] - E[z]^2 in fp32 would lose every digit. Seeded: each row
+    strip's fp32 mean (a sum of values near 1e4) sets the error, not the merge: invstd lands 3e-5 to 1.4e-4
+    from exact over seeds 0-11 whether the strips merge in one step or one after another (TRITON_INTERPRET,
+    triton 3.9); 1.1e-4 at seed 0."""
     n, f = 1000, 6
     g = torch.Generator().manual_seed(0)
     y = (torch.randn(n, f, dtype=torch.float64, generator=g) + 1e4).float().to(KERNEL_DEVICE)
@@ -66,7 +67,7 @@ def test_statistics_are_stable_for_large_means():
     _, stats = normalize.normalize_linear_output(y, args)
     exact_invstd = 1.0 / torch.sqrt(y.double().var(0, unbiased=False) + 1e-5)
     assert torch.allclose(stats.mean.double(), y.double().mean(0), rtol=4 * 2.0**-23, atol=0)  # a few fp32 ulps
-    assert torch.allclose(stats.invstd.double(), exact_invstd, rtol=1e-4, atol=0)
+    assert torch.allclose(stats.invstd.double(), exact_invstd, rtol=2e-4, atol=0)
 
 
 def test_nan_propagates_like_eager():
@@ -150,15 +151,23 @@ def test_statistics_in_the_output_pass_or_in_a_finalize_launch(monkeypatch, merg
 def test_strips_merge_in_several_steps(monkeypatch, merge):
     """More row strips than one merge step loads (normalize_kernels.STRIPS_PER_MERGE), the last step
     partly past the last strip, which is itself short: the statistics are still the batch's. Strips of 4
-    rows keep the interpreted batch small."""
+    rows keep the interpreted batch small. Constant columns far from 0 keep variance 0 and their exact
+    means, as in eager: their outputs are beta exactly, where a mean one ulp off would give ulp * invstd
+    (a weighted mean of the raw strip means missed 14 of 16 such columns in a probe, invstd down to 172
+    from 316)."""
     monkeypatch.setattr(normalize, "merges_in_output_pass", lambda *args: merge)
     monkeypatch.setattr(normalize, "STATS_BLOCK_R", 4)
     strips_per_merge = STRIPS_PER_MERGE.value
     n_rows = 4 * (strips_per_merge + 1) + 1
-    args = make_args(n_rows, 3, 5, momentum=0.3)
-    y, fused = run_passes(args)
+    args = make_args(n_rows, 3, 24, scale=None, momentum=0.3)
+    y = F.linear(args.linear.x, args.linear.weight, args.linear.bias)
+    constant = slice(8, 24)
+    y[:, constant] = 1e4 + 61.7 * torch.arange(16, dtype=y.dtype, device=y.device)
+    y, fused = run_passes(args, y)
     assert normalize.partial_statistics(y, args.scale_before).n_parts == strips_per_merge + 2
     assert_like_eager(fused, args, y)
+    assert torch.equal(fused.mean[constant], y[0, constant])
+    assert torch.equal(fused.out[:, constant], args.batch_norm.bias[constant].expand(n_rows, -1))
 
 
 def test_output_pass_merges_only_few_partials():
