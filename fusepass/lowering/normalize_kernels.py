@@ -82,11 +82,12 @@ def _merged_statistics(part_stats_ptr, cols, col_mask, n_rows, n_cols, rows_per_
 
     STRIPS_PER_MERGE strips are loaded at once and merged in one step, with the k-strip form of Chan's
     formula, M2 = sum(M2_p) + sum(n_p * (mean_p - mean)^2), each strip's mean taken relative to the
-    step's first one: a common mean cancels exactly before anything is rounded, so that a constant column
-    keeps M2 = 0 whatever its value (weighted means of the raw means would round and leave n * ulp^2,
-    which eps does not hide). The steps merge pairwise (tiles.chan_merge). Merged one strip after another,
-    each merge waiting on the last one's loads, 32 strips of 4096 columns took 16.7 us in the finalize
-    kernel (H100): loaded together, their loads overlap."""
+    step's first one: a common mean cancels exactly before anything is rounded, so that strips of equal
+    means merge to that mean and add nothing to M2, whatever its value (weighted means of the raw means
+    would round it, and leave n * ulp^2 in M2, which eps does not hide). The steps merge pairwise
+    (tiles.chan_merge). Merged one strip after another, each merge waiting on the last one's loads, 32
+    strips of 4096 columns took 16.7 us in the finalize kernel (H100): loaded together, their loads
+    overlap."""
     count = tl.zeros(cols.shape, dtype=tl.float32)
     mean = tl.zeros(cols.shape, dtype=tl.float32)
     m2 = tl.zeros(cols.shape, dtype=tl.float32)

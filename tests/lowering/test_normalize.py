@@ -151,10 +151,10 @@ def test_statistics_in_the_output_pass_or_in_a_finalize_launch(monkeypatch, merg
 def test_strips_merge_in_several_steps(monkeypatch, merge):
     """More row strips than one merge step loads (normalize_kernels.STRIPS_PER_MERGE), the last step
     partly past the last strip, which is itself short: the statistics are still the batch's. Strips of 4
-    rows keep the interpreted batch small. Constant columns far from 0 keep variance 0 and their exact
-    means, as in eager: their outputs are beta exactly, where a mean one ulp off would give ulp * invstd
-    (a weighted mean of the raw strip means missed 14 of 16 such columns in a probe, invstd down to 172
-    from 316)."""
+    rows keep the interpreted batch small, and make each strip's own statistics of a constant column
+    exact: constant columns far from 0 then merge to variance 0 and their exact means, and their outputs
+    are beta exactly, where a mean one ulp off would give ulp * invstd (a weighted mean of the raw strip
+    means missed 14 of 16 such columns in a probe, invstd down to 172 from 316)."""
     monkeypatch.setattr(normalize, "merges_in_output_pass", lambda *args: merge)
     monkeypatch.setattr(normalize, "STATS_BLOCK_R", 4)
     strips_per_merge = STRIPS_PER_MERGE.value
