@@ -105,6 +105,19 @@ def test_forward_rows_from_two_gpus_say_which(tmp_path):
     assert table_line(text, "Forward, fp32", "gemm_batchnorm", "train")[-1] == "H100"
 
 
+def test_a_row_whose_providers_ran_on_two_gpus_names_both(tmp_path):
+    """A later run of the default-mode providers on another GPU leaves the CUDA-graph providers' older rows
+    beside them: the row says which GPU measured which."""
+    old = [result(p, ms) for p, ms in (("eager", 9.0), ("inductor", 8.0), ("fusepass", 4.0),
+                                       ("inductor-cudagraphs", 7.0), ("fusepass-cudagraphs", 3.5))]
+    new = [result(p, ms) for p, ms in (("eager", 9.5), ("inductor", 8.5), ("fusepass", 4.5))]
+    text = write_report(tmp_path, {"old": payload(old, backward=True, date="2029-01-01T00:00:00+00:00"),
+                                   "new": payload(new, backward=True, device="NVIDIA H100 80GB HBM3")})
+    cells = table_line(text, "Training step", "gemm_scale_batchnorm 1024×8192→8192", "fp32")
+    assert cells[2:5] == ["9.500", "8.500", "4.500"] and cells[8:10] == ["7.000", "3.500"]
+    assert cells[-1] == "H100 (eager inductor fusepass), H200 (inductor-cudagraphs fusepass-cudagraphs)"
+
+
 def test_training_step_floor_counts_three_gemms(tmp_path):
     rows = [result("eager", 8.458), result("inductor", 6.344), result("fusepass", 4.229)]
     text = write_report(tmp_path, {"training": payload(rows, backward=True)})

@@ -518,9 +518,14 @@ def training_table(rows: list[Row]) -> Optional[str]:
 
 def gpu_cell(providers: dict[str, Row]) -> str:
     """The GPU a case ran on ("H100", "H200"): a table's rows may come from runs on different GPUs, and
-    only the ratios within a row compare like with like."""
-    device = next(iter(providers.values())).source.env["device"]
-    return device.removeprefix("NVIDIA ").split()[0]
+    only the ratios within a row compare like with like. Where the row's own providers came from runs on
+    different GPUs (two files measured some of them), each GPU with the providers it measured."""
+    by_gpu: dict[str, list[str]] = {}
+    for provider, row in providers.items():
+        by_gpu.setdefault(row.source.env["device"].removeprefix("NVIDIA ").split()[0], []).append(provider)
+    if len(by_gpu) == 1:
+        return next(iter(by_gpu))
+    return ", ".join(f"{gpu} ({' '.join(names)})" for gpu, names in by_gpu.items())
 
 
 GRAPH_MODE_HEADERS = ["eager ms", "Inductor ms", "fusepass ms", "vs eager", "vs Inductor", "vs Inductor, rounds",
