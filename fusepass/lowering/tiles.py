@@ -65,11 +65,27 @@ def chan_merge(count, mean, m2, other_count, other_mean, other_m2):
 
 
 @triton.jit
+def finite_or_zero(v):
+    """v where finite, else 0."""
+    return tl.where(tl.abs(v) < float("inf"), v, 0.0)
+
+
+@triton.jit
 def tile_column_stats(z, row_mask, count):
-    """Per column of a tile, the mean and M2 of its valid rows (`count` of them)."""
-    tile_mean = tl.sum(tl.where(row_mask[:, None], z, 0.0), axis=0) / count
-    centered = tl.where(row_mask[:, None], z - tile_mean[None, :], 0.0)
-    return tile_mean, tl.sum(centered * centered, axis=0)
+    """Per column of a tile, the mean and M2 of its valid rows (`count` of them).
+
+    The mean in two passes: the sum's, then corrected by the mean of the values less it. Those are of
+    the order of the column's spread, not of its mean, so that the correction's sum loses little to a mean
+    far from 0, and a constant column gets exactly its value as mean (each difference is exact, as is
+    their sum) and 0 as M2. 1000 rows of 1e4 + N(0, 1), 12 draws, interpreted: invstd 6e-6 to 2.5e-5 from
+    exact, against 3e-5 to 1.4e-4 in one pass and 3e-6 to 1.3e-5 for eager's CPU batch norm (which
+    accumulates in float64). A column with an inf or NaN keeps the first pass's mean, as eager keeps an
+    inf one."""
+    rough_mean = tl.sum(tl.where(row_mask[:, None], z, 0.0), axis=0) / count
+    deviation = tl.where(row_mask[:, None], z - rough_mean[None, :], 0.0)
+    correction = finite_or_zero(tl.sum(deviation, axis=0) / count)
+    centered = tl.where(row_mask[:, None], deviation - correction[None, :], 0.0)
+    return rough_mean + correction, tl.sum(centered * centered, axis=0)
 
 
 @triton.jit

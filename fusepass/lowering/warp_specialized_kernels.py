@@ -235,9 +235,14 @@ if gluon is not None:
             batch_axis: gl.constexpr = 1 if TRANSPOSED else 0
             batch_ok = _per_batch_row(in_batch, TRANSPOSED)
             count = gl.sum(in_batch.to(gl.float32), axis=0)
-            mean = gl.sum(gl.where(batch_ok, z, 0.0), axis=batch_axis) / count
-            centered = gl.where(batch_ok, z - _per_feature(mean, TRANSPOSED), 0.0)
+            # The mean in two passes, as tiles.tile_column_stats takes it (why: there)
+            rough_mean = gl.sum(gl.where(batch_ok, z, 0.0), axis=batch_axis) / count
+            deviation = gl.where(batch_ok, z - _per_feature(rough_mean, TRANSPOSED), 0.0)
+            correction = gl.sum(deviation, axis=batch_axis) / count
+            correction = gl.where(gl.abs(correction) < float("inf"), correction, 0.0)
+            centered = gl.where(batch_ok, deviation - _per_feature(correction, TRANSPOSED), 0.0)
             m2 = gl.sum(centered * centered, axis=batch_axis)
+            mean = rough_mean + correction
             at = parts_ptr + part.to(gl.int64) * part_stride + features
             stored = feature_ok & (count > 0)  # a consumer's rows past the batch write no part
             gl.store(at, mean, mask=stored)

@@ -500,6 +500,33 @@ def test_a_chain_on_it_is_no_further_from_float64_than_eager(precision, config, 
 @requires_cuda
 @requires_hopper
 @pytest.mark.cuda
+@pytest.mark.parametrize("precision, config", IN_MEMORY_AND_IN_KERNEL, ids=CASE_ID)
+def test_a_chains_statistics_on_it_stay_exact_far_from_zero(precision, config):
+    """Features near 1e4 (a bias of 1e4 on values of spread about 30), some constant over the batch (rows of
+    W 0, so that y is the bias there exactly): the statistics from the kernel's epilogue, the output and the
+    running statistics no further from float64 than eager's (on CUDA, Welford's), and a constant feature's
+    mean its value, its output beta exactly. 1000 rows: partial last tiles of the batch, whichever operand
+    the kernel computes as rows. No scale: y * scale rounded, and a multiply-add fused from it in the
+    output pass, would leave that rounding in a constant feature's output."""
+    args = make_args(1000, 264, 300, scale=None, momentum=0.3)
+    constant = slice(40, 72)
+    with torch.no_grad():
+        args.linear.bias.add_(1e4)
+        args.linear.weight[constant] = 0.0
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = gemm_precisions.prepared(precision).parts == 1
+        fused = Implementation(precision, config)(args)
+        assert_like_eager(fused, args)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    assert torch.equal(fused.mean[constant], args.linear.bias[constant])
+    assert torch.equal(fused.out[:, constant], args.batch_norm.bias[constant].expand(1000, -1))
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.cuda
 @pytest.mark.parametrize("precision, config", [(p, c) for p, c in IN_MEMORY_AND_IN_KERNEL if not c.split_in_kernel],
                          ids=CASE_ID)
 def test_a_chain_in_blocks_is_no_further_from_float64_than_eager(monkeypatch, precision, config):
