@@ -193,8 +193,9 @@ def test_variance_far_from_zero_merged_from_many_strips_is_like_eager(monkeypatc
     """Features near 1e4 (spread about 30) in strips of 16 rows: the merge's between-strip term takes each
     strip's mean rounded to fp32, up to half an ulp of 1e4 off, and over seeds 0-2 invstd lands 3e-6 to 4e-6
     from float64 and the running variance 6e-6 to 8e-6, 80 to 90 times eager's (which accumulates in float64
-    on CPU; the output is closer than eager's). Keeping each strip's rounding residual beside its mean (a
-    third slot in the partials, from every kernel that writes them) would mend it."""
+    on CPU; the output is closer than eager's). Eager on CUDA merges fp32 partial means too (Welford's);
+    whether it lands closer is unmeasured. Keeping each strip's rounding residual beside its mean (a third
+    slot in the partials, from every kernel that writes them) would mend it."""
     monkeypatch.setattr(normalize, "STATS_BLOCK_R", 16)
     args = make_args(45, 24, 37, scale=None, momentum=0.3)
     with torch.no_grad():
