@@ -67,7 +67,7 @@ def chan_merge(count, mean, m2, other_count, other_mean, other_m2):
 @triton.jit
 def finite_or_zero(v):
     """v where finite, else 0."""
-    return tl.where(tl.abs(v) < float("inf"), v, 0.0)
+    return tl.where((v > float("-inf")) & (v < float("inf")), v, 0.0)
 
 
 @triton.jit

@@ -239,7 +239,7 @@ if gluon is not None:
             rough_mean = gl.sum(gl.where(batch_ok, z, 0.0), axis=batch_axis) / count
             deviation = gl.where(batch_ok, z - _per_feature(rough_mean, TRANSPOSED), 0.0)
             correction = gl.sum(deviation, axis=batch_axis) / count
-            correction = gl.where(gl.abs(correction) < float("inf"), correction, 0.0)
+            correction = gl.where((correction > float("-inf")) & (correction < float("inf")), correction, 0.0)
             centered = gl.where(batch_ok, deviation - _per_feature(correction, TRANSPOSED), 0.0)
             m2 = gl.sum(centered * centered, axis=batch_axis)
             mean = rough_mean + correction
