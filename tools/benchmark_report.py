@@ -947,11 +947,13 @@ def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
                      "training step's includes the gradients it makes, its saved activations and its "
                      "transients, and none of the models and copies the bench process holds). Issue 27's "
                      "target: a training step's at most 0.9× Inductor's and at most eager's. Rows come from the "
-                     "forward and training-step runs that recorded it. What a single chain's step must hold "
-                     "bounds it: the output (the call returns it), its gradient, the gradient at the linear "
-                     "output that the weight gradient's GEMM reads, and the weight gradient; at 1024 rows of 8192 "
-                     "features in and out, in fp32, 32 + 32 + 32 + 256 = 352 MB, Inductor's own peak there "
-                     "(docs/design.md, \"The backward\").", memory_table(rows))
+                     "forward and training-step runs that recorded it. What a single chain's step holds bounds "
+                     "it: the output (the call returns it), its gradient (held through the whole compiled "
+                     "backward), the gradient at the linear output that the weight gradient's GEMM reads, and "
+                     "the weight gradient; at 1024 rows of 8192 features in and out, in fp32, 32 + 32 + 32 + 256 "
+                     "= 352 MB, Inductor's own peak there. Made a block of features at a time, the gradient at "
+                     "the linear output would leave 320 MB and a block, 0.91× Inductor's: 0.9× is out of reach "
+                     "at that shape (docs/design.md, \"The backward\").", memory_table(rows))
     parts += section("Largest batch that trains", LARGEST_BATCH_INTRO, largest_batch_table(largest_batch or []))
     parts += section("Shape changes", SHAPE_CHANGES_INTRO, shape_changes_tables(shape_changes or []))
     steady = bucket_vs_exact_tables(bucket_vs_exact or [])
