@@ -201,7 +201,7 @@ def test_variance_far_from_zero_merged_from_many_strips_is_like_eager(monkeypatc
     """Features near 1e4 (spread about 30) in strips of 16 rows: the merge's between-strip term takes each
     strip's mean rounded to fp32, up to half an ulp of 1e4 off. Over seeds 0-5 invstd lands 3.2e-6 to 4.1e-6
     from float64 and the running variance 5.4e-6 to 8.2e-6, on CPU (interpreted) and on an H100 alike. Eager
-    on CPU, which accumulates in float64, lands 80 to 90 times closer; eager on the H100 3 to 6 times
+    on CPU, which accumulates in float64, lands 60 to 110 times closer; eager on the H100 2.4 to 6 times
     further (invstd 9.7e-6 to 1.8e-5, running variance 1.7e-5 to 2.7e-5; the output is closer than eager's
     on both). Keeping each strip's rounding residual beside its mean (a third slot in the partials, from
     every kernel that writes them) would close the CPU gap; the kernels run on CUDA only for users."""
