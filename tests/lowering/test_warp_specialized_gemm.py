@@ -111,37 +111,50 @@ def test_offered_only_where_it_runs():
     x, w = torch.randn(8, 16), torch.randn(4, 16)
     why = warp_specialized_gemm.unlaunchable(x, w, torch.float32)
     assert why in ("this Triton has no Gluon", "the warp-specialized GEMM is Hopper's (sm_90 wgmma)")
-    if ON_HOPPER:
-        cuda = x.cuda(), w.cuda()
-        assert warp_specialized_gemm.unlaunchable(*cuda, torch.float32) is None
-        assert "fp32" in warp_specialized_gemm.unlaunchable(*(t.bfloat16() for t in cuda), torch.bfloat16)
-        mn_major = cuda[0].t().contiguous().t()
-        assert warp_specialized_gemm.unlaunchable(mn_major, cuda[1], torch.float32) is None
-        neither = torch.randn(8, 32, device="cuda")[:, ::2]
-        in_memory, in_kernel = warp_specialized_gemm.CONFIGS[0], warp_specialized_gemm.CONFIGS[2]
-        assert "TMA" in warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "split_w", in_memory)
-        # split in memory, b may lie as it will; split in the kernel, TMA reads it too
-        assert warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "split_x", in_memory) is None
-        assert "TMA" in warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "split_x", in_kernel)
-        mn_major_w = cuda[1].t().contiguous().t()
-        assert warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "split_w", in_kernel) is None
-        wide_k = dataclasses.replace(in_kernel, block_k=64, num_stages=2)
-        assert "one stage" in warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "split_w", wide_k)
-        assert warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "split_x", wide_k) is None
-        # rounded, b's tile has no lo beside it: the wide K blocks fit two stages
-        assert warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "round_w", wide_k) is None
-        no_k = torch.empty(8, 0, device="cuda"), torch.empty(4, 0, device="cuda")
-        assert "no columns" in warp_specialized_gemm.unlaunchable(*no_k, torch.float32, "split_w", in_kernel)
+    assert _offered_variants(x, w) == [set(), set()]
+
+
+def _offered_variants(x, w) -> list[set]:
+    """The warp-specialized variants the linear op offers x @ w^T under CUDA graphs (where launching from Python
+    costs a step nothing at any size), with TF32 off and on."""
     allowed = torch.backends.cuda.matmul.allow_tf32
     try:  # set and restored by hand (test_backend.py says why)
-        for tf32, variants in ((False, {"split_w", "split_x"}), (True, {"round_w", "round_x"})):
+        offered = []
+        for tf32 in (False, True):
             torch.backends.cuda.matmul.allow_tf32 = tf32
-            call = linear.LinearCall(*((x.cuda(), w.cuda()) if ON_HOPPER else (x, w)), None, "tf32x3", "auto")
+            call = linear.LinearCall(x, w, None, "tf32x3", "auto", None, True, True)
             names = list(linear.candidates(call, linear.problem(call, traced=False), traced=False))
-            offered = {n.split()[1] for n in names if "warp-specialized" in n}
-            assert offered == (variants if ON_HOPPER else set()), names
+            offered.append({n.split()[1] for n in names if "warp-specialized" in n})
+        return offered
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allowed
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.cuda
+def test_on_hopper_it_runs_for_the_layouts_tma_reads():
+    cuda = torch.randn(8, 16, device="cuda"), torch.randn(4, 16, device="cuda")
+    assert warp_specialized_gemm.unlaunchable(*cuda, torch.float32) is None
+    assert "fp32" in warp_specialized_gemm.unlaunchable(*(t.bfloat16() for t in cuda), torch.bfloat16)
+    mn_major = cuda[0].t().contiguous().t()
+    assert warp_specialized_gemm.unlaunchable(mn_major, cuda[1], torch.float32) is None
+    neither = torch.randn(8, 32, device="cuda")[:, ::2]
+    in_memory, in_kernel = warp_specialized_gemm.CONFIGS[0], warp_specialized_gemm.CONFIGS[2]
+    assert "TMA" in warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "split_w", in_memory)
+    # split in memory, b may lie as it will; split in the kernel, TMA reads it too
+    assert warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "split_x", in_memory) is None
+    assert "TMA" in warp_specialized_gemm.unlaunchable(neither, cuda[1], torch.float32, "split_x", in_kernel)
+    mn_major_w = cuda[1].t().contiguous().t()
+    assert warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "split_w", in_kernel) is None
+    wide_k = dataclasses.replace(in_kernel, block_k=64, num_stages=2)
+    assert "one stage" in warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "split_w", wide_k)
+    assert warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "split_x", wide_k) is None
+    # rounded, b's tile has no lo beside it: the wide K blocks fit two stages
+    assert warp_specialized_gemm.unlaunchable(cuda[0], mn_major_w, torch.float32, "round_w", wide_k) is None
+    no_k = torch.empty(8, 0, device="cuda"), torch.empty(4, 0, device="cuda")
+    assert "no columns" in warp_specialized_gemm.unlaunchable(*no_k, torch.float32, "split_w", in_kernel)
+    assert _offered_variants(*cuda) == [{"split_w", "split_x"}, {"round_w", "round_x"}]
 
 
 @pytest.mark.parametrize("precision, variants", [("tf32x3", {"split_w", "split_x"}), ("tf32", {"round_w", "round_x"})])
