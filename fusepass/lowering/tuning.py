@@ -257,6 +257,12 @@ def gpu_time(run: Callable[[], Any]) -> float:
     transposed operands measured 0.050 ms against cuBLAS's 0.049, and 0.122 against 0.048 flushed
     (H100, 4096 x 4096 @ 4096 x 1024, tools/tune_linear.py)."""
     cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
+    if cache.is_cuda:
+        # do_bench_cudagraph runs on a stream of its own, which does not wait for the caller's. The flush
+        # buffer, allocated on the caller's stream, may be a block freed while a kernel queued there still
+        # reads it (a model's intermediate, when a new size is tuned mid-step): zeroed unsynchronized, it
+        # corrupted that kernel's input (an fp64 reference GEMM at 16384 x 4096 -> 4096, H100).
+        torch.cuda.synchronize(cache.device)
     try:
         flushed = triton.testing.do_bench_cudagraph(lambda: (cache.zero_(), run()), rep=TIMING_MS,
                                                     return_mode="median")
