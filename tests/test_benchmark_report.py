@@ -369,7 +369,7 @@ def test_the_reports_texts_quote_the_thresholds_current_values(tmp_path):
     from fusepass.lowering import choice, warp_specialized_gemm
     text = report.render([], "", [])
     for module, name in ((choice, "TF32X3_MIN_FLOP"), (choice, "UNGRAPHED_MIN_FLOP"),
-                         (warp_specialized_gemm, "K_SPLIT_UNHIDDEN_MIN_FLOP")):
+                         (warp_specialized_gemm, "UNHIDDEN_MIN_FLOP")):
         value = re.sub(r"e\+0*", "e", f"{getattr(module, name):.2g}")  # 4e+09 as the text writes it: 4e9
         where = module.__name__.rsplit(".", 1)[1]
         quoted = re.findall(rf"`{where}\.{name}`,? \(?([0-9.]+e[0-9]+)", text)

@@ -925,12 +925,12 @@ def render(sources: list[Source], kept: str, multi_gpu: list[tuple[Path, dict]],
                      "runs it); the floor counts three GEMMs per linear (forward, dX, dW) at fusepass's precision, "
                      "and \"of floor\" is against fusepass's default mode. In fp32 and TF32 on Hopper, fusepass's "
                      "mode decides candidates: a GEMM on the warp-specialized kernel (launched from Python) is "
-                     "offered with CUDA graphs; without them, in 3xTF32 to every GEMM of the backward (preparing "
-                     "an operand in memory only from `choice.UNGRAPHED_MIN_FLOP`, 2.5e11 FLOP, else in the kernel) "
-                     "and to a chain's forward from `choice.TF32X3_MIN_FLOP` (3e10), in TF32 from "
-                     "`choice.UNGRAPHED_MIN_FLOP`, and to matmul heads. A linear GEMM whose output tiles leave SMs "
-                     "idle (the MLP's last layer and its weight gradient) is also offered it with K split across "
-                     "programs, without CUDA graphs from `warp_specialized_gemm.K_SPLIT_UNHIDDEN_MIN_FLOP` (4e9).",
+                     "offered with CUDA graphs; without them, in 3xTF32 to the backward's GEMMs from "
+                     "`warp_specialized_gemm.UNHIDDEN_MIN_FLOP` (4e9; preparing an operand in memory only from "
+                     "`choice.UNGRAPHED_MIN_FLOP`, 2.5e11 FLOP, else in the kernel) and to a chain's forward from "
+                     "`choice.TF32X3_MIN_FLOP` (3e10), in TF32 from `choice.UNGRAPHED_MIN_FLOP`, and to matmul "
+                     "heads. A linear GEMM whose output tiles leave SMs idle (the MLP's last layer and its weight "
+                     "gradient) is also offered it with K split across programs.",
                      training_table(rows))
     parts += section("GEMM alone", GEMM_INTRO, gemm_alone_table(gemm_alone or []))
     parts += section("Small shapes, 128×1024→512", "Both problems at `--size 128,1024,512`, forwards and training "

@@ -137,8 +137,9 @@ def candidates(args: ChainArgs, problem: Problem, traced: bool = False) -> dict[
 # machines' hosts), so without CUDA graphs it is offered only for GEMMs whose GPU time hides that. In 3xTF32
 # from TF32X3_MIN_FLOP, 0.3 ms at 100 TFLOP/s. H100, eval forwards under no_grad, offered at every size
 # against not: gemm_batchnorm_scale_softmax at 1024 x 8192 -> 8192 1.121 against 1.350 ms; the MLP 1.612
-# against 1.961. A training step also launches its backward's GEMMs from Python, splitting in the kernel
-# below UNGRAPHED_MIN_FLOP (linear.launches_hidden), which leaves the host time for the forward. H200,
+# against 1.961. A training step also launches its backward's GEMMs from Python (those of at least
+# warp_specialized_gemm.UNHIDDEN_MIN_FLOP), splitting in the kernel below UNGRAPHED_MIN_FLOP
+# (linear.launches_hidden), which leaves the host time for the forward. H200,
 # fp32 training steps in default mode, offered at every size against from UNGRAPHED_MIN_FLOP only (each in
 # its own process): 1024 x 8192 -> 8192 2.709 -> 2.470 ms (its forward 1.345 -> 1.100), with softmax 2.681 ->
 # 2.497 (1.340 -> 1.115), the MLP(1024, [4096, 4096, 256]) at 4096 rows 5.550 -> 4.846 (2.012 -> 1.654).

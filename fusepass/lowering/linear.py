@@ -239,8 +239,8 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
     (on strided loads), and cuBLAS. In TF32 and 3xTF32, also the warp-specialized Gluon kernel
     (warp_specialized_gemm.py) preparing either operand, on an sm_90 GPU (where warp_specialized_offered):
     in the kernel, which copies nothing and so is offered with copies forbidden too (also with K split across
-    programs where the bucket's tiles leave SMs idle, warp_specialized_gemm.k_splits, and its launches hide or
-    the GEMM has K_SPLIT_UNHIDDEN_MIN_FLOP), and in memory (where launches_hidden)."""
+    programs where the bucket's tiles leave SMs idle, warp_specialized_gemm.k_splits), and in memory (where
+    launches_hidden)."""
     x, weight = call.x, call.weight
     m, k, n = _gemm_sizes(call, problem)
     precision = _precision(call)
@@ -259,9 +259,8 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
         flop = 2 * m * k * n
         if warp_specialized_offered(call, flop, precision):
             hidden = launches_hidden(call, flop)
-            k_split = hidden or flop >= warp_specialized_gemm.K_SPLIT_UNHIDDEN_MIN_FLOP
             found += [LinearImplementation(p, config) for p, config in warp_specialized_gemm.candidates(
-                precision, copies and hidden, (m, n, k, x.device) if k_split else None)]
+                precision, copies and hidden, (m, n, k, x.device))]
         if not k_major and search == "full" and copies:
             found.append(LinearImplementation(precision, gemm_configs.candidates(precision, x.dtype)[0], True))
         found = [impl for impl in found if impl.unlaunchable(call) is None]
@@ -273,13 +272,13 @@ def candidates(call: LinearCall, problem: Problem, traced: bool) -> dict[str, Li
 
 def warp_specialized_offered(call: LinearCall, flop: int, precision: str) -> bool:
     """Whether the warp-specialized GEMM, which launches from Python (an opaque op; choice.UNGRAPHED_MIN_FLOP
-    says what that costs), is offered: in 3xTF32, whose GEMMs take three TF32 products' time, always; in TF32
-    under CUDA graphs, or for a GEMM of at least UNGRAPHED_MIN_FLOP (the chain's forward keeps the same
-    rule). H200, TF32 training steps in default mode with it offered to every GEMM of the backward:
-    16384 x 4096 -> 4096 4.239 ms (Inductor 4.776); 1024 x 8192 -> 8192 1.696 (p20-p80 1.46-1.84;
-    Inductor 1.107), host-bound (gated: 1.430, 1.35-1.63, Inductor 1.141); with CUDA graphs 1.058
-    (Inductor 1.153)."""
-    return precision != "tf32" or launches_hidden(call, flop)
+    says what that costs), is offered: where its launches hide (launches_hidden), and in 3xTF32, whose GEMMs
+    take three TF32 products' time, from warp_specialized_gemm.UNHIDDEN_MIN_FLOP. TF32 only where they hide
+    (the chain's forward keeps the same rule). H200, TF32 training steps in default mode with it offered to
+    every GEMM of the backward: 16384 x 4096 -> 4096 4.239 ms (Inductor 4.776); 1024 x 8192 -> 8192 1.696
+    (p20-p80 1.46-1.84; Inductor 1.107), host-bound (gated: 1.430, 1.35-1.63, Inductor 1.141); with CUDA graphs
+    1.058 (Inductor 1.153)."""
+    return launches_hidden(call, flop) or (precision == "tf32x3" and flop >= warp_specialized_gemm.UNHIDDEN_MIN_FLOP)
 
 
 def launches_hidden(call: LinearCall, flop: int) -> bool:
