@@ -91,11 +91,10 @@ MIN_K_BLOCKS_PER_SPLIT = 8
 # The op launches from Python (0.1-0.3 ms of host a call, choice.py), so a default-mode step, whose launches may
 # not hide, is offered it in 3xTF32 only from 4e9 FLOP (linear.warp_specialized_offered), where cuBLAS's IEEE fp32
 # takes about 0.08 ms (50 TFLOP/s, "GEMM alone"), near the op's least host time: below it, the GPU time the op can
-# save is less than the host time it costs. Offered at
-# every size, the weight gradient of a 128 x 1024 -> 512 training step (1.3e8 FLOP) chose it at 0.0092 ms of GPU
-# time against cuBLAS's 0.0098, in a host-bound step (H100, BENCHMARKS.md "Small shapes", e6f8d6b). With K split
-# it launches twice (the parts' add), and saves at most about 40% of the GEMM's GPU time (0.140 -> 0.079 ms at
-# 8.6e9 FLOP, about 29 us at 4e9).
+# save is less than the host time it costs. Offered at every size, the weight gradient of a 128 x 1024 -> 512
+# training step (1.3e8 FLOP) chose it at 0.0092 ms of GPU time against cuBLAS's 0.0098, in a host-bound step
+# (H100, BENCHMARKS.md "Small shapes", e6f8d6b). With K split it launches twice (the parts' add), and saves at
+# most about 40% of the GEMM's GPU time (0.140 -> 0.079 ms at 8.6e9 FLOP, about 29 us at 4e9).
 UNHIDDEN_MIN_FLOP = 4e9
 
 
